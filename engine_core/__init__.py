@@ -1,0 +1,1 @@
+"""The engine-core process: scheduler, paged KV cache, model runner, sampler, busy loop."""

@@ -1,0 +1,1 @@
+"""The `zserve` CLI, argument parsing, the supervisor and process management."""

@@ -1,0 +1,169 @@
+"""Every message that crosses the API-server ↔ engine-core boundary.
+
+Structs are array-like: field order *is* the wire format. New fields are appended
+at the end with a default, so an older reader ignores them and a newer reader
+fills them in. Never reorder or remove a field without bumping PROTOCOL_VERSION.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Base of every wire struct: positional, compact, out of the cyclic GC."""
+
+
+class RequestType(bytes, enum.Enum):
+    """First frame of every API server → engine message."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x03"
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    @property
+    def openai_name(self) -> str:
+        return ("stop", "length", "abort", "error")[self]
+
+
+class SamplingParams(_Wire):
+    """What the engine's sampler and stop checks need for one request.
+
+    The frontend validates every field (4xx on bad values) before it builds this;
+    the engine re-checks cheaply and answers an ERROR output instead of crashing.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # top-n per sampled token; 0 = only the sampled one
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+
+
+class EngineCoreRequest(_Wire):
+    """ADD: one sequence to generate. `request_id` is the frontend's internal id."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    client_index: int = 0
+    priority: int = 0
+    data_parallel_rank: int | None = None
+
+
+class Logprobs(_Wire):
+    """Logprobs of consecutive positions; row i: column 0 is the chosen token, then top-n."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]  # rank of the chosen token in the full distribution (1 = best)
+
+
+class SchedulerStats(_Wire):
+    """An engine's state after a step. Counters are cumulative since start-up, so
+    any API server may read the latest value without summing deltas it never saw."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_total_blocks: int = 0
+    num_free_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_aborted: int = 0
+    num_steps: int = 0
+    prompt_tokens_computed: int = 0
+    generation_tokens: int = 0
+    step_time_s: float = 0.0
+
+
+class EngineCoreOutput(_Wire):
+    """New tokens of one request since the previous output of that request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class UtilityCall(_Wire):
+    """UTILITY: call a named engine method; the answer rides back on EngineCoreOutputs."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class UtilityResult(_Wire):
+    call_id: int
+    result: Any = None
+    failure_message: str | None = None
+
+
+class EngineCoreOutputs(_Wire):
+    """Everything one engine sends one API server after a step (or as a heartbeat)."""
+
+    engine_index: int
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    utility_result: UtilityResult | None = None
+
+
+class EngineReady(_Wire):
+    """The first message an engine sends on each of its DEALER sockets (and in READY):
+    a ROUTER can only address peers it has heard from."""
+
+    protocol_version: int
+    rank: int
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    dtype: str
+    device: str
+    vocab_size: int = 0
+    pid: int = 0
+    hostname: str = ""
+
+
+# A single-frame message an engine sends every API server when it dies of an error.
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+
+
+def now() -> float:
+    """Wall-clock seconds, the clock of `arrival_time` and `timestamp`."""
+    return time.time()

@@ -1,0 +1,101 @@
+"""ZMQ socket and address helpers shared by the API servers, engines and supervisor.
+
+Addresses are always *reported* after binding (LAST_ENDPOINT), never pre-picked:
+bind to port 0 / "*" and publish what the kernel chose.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass
+
+import zmq
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """This node's CURVE key pair and the server key it trusts (Z85 bytes).
+
+    Every zserve node of one deployment uses the same keys (`--engine-keys DIR`):
+    the binding side is the CURVE server, the connecting side a client that knows
+    the server's public key. A peer without the secret cannot complete the
+    handshake, so ZMQ itself refuses it before any byte reaches zserve.
+    """
+
+    public: bytes
+    secret: bytes
+
+
+def is_ipv6(host: str) -> bool:
+    try:
+        return isinstance(ipaddress.ip_address(host.strip("[]")), ipaddress.IPv6Address)
+    except ValueError:
+        return False
+
+
+def tcp_address(host: str, port: int | str) -> str:
+    host = host.strip("[]")
+    return f"tcp://[{host}]:{port}" if is_ipv6(host) else f"tcp://{host}:{port}"
+
+
+def ipc_address(directory: str, name: str) -> str:
+    return f"ipc://{os.path.join(directory, name)}"
+
+
+def ipc_path(address: str) -> str | None:
+    return address[len("ipc://") :] if address.startswith("ipc://") else None
+
+
+def make_socket(
+    ctx: zmq.Context,
+    kind: int,
+    *,
+    curve: CurveKeys | None = None,
+    curve_server: bool = False,
+    identity: bytes | None = None,
+    linger_ms: int = 0,
+) -> zmq.Socket:
+    """A socket with zserve's options: unbounded queues (the engine must never block
+    on a slow API server), IPv6 allowed, optional CURVE."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.IPV6, 1)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if curve is not None:
+        if curve_server:
+            sock.curve_server = True
+            sock.curve_secretkey = curve.secret
+            sock.curve_publickey = curve.public
+        else:
+            client_public, client_secret = zmq.curve_keypair()
+            sock.curve_serverkey = curve.public
+            sock.curve_publickey = client_public
+            sock.curve_secretkey = client_secret
+    return sock
+
+
+def bind(sock: zmq.Socket, address: str) -> str:
+    """Bind and return the endpoint actually bound (port 0 → the chosen port)."""
+    if address.startswith("tcp://") and address.rsplit(":", 1)[1] == "0":
+        address = address.rsplit(":", 1)[0] + ":*"
+    sock.bind(address)
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return endpoint.decode() if isinstance(endpoint, bytes) else endpoint
+
+
+def needs_curve(address: str) -> bool:
+    """TCP links may cross nodes and are encrypted; ipc:// stays on one node."""
+    return address.startswith("tcp://")
+
+
+def rank_identity(rank: int) -> bytes:
+    """An engine's DEALER identity: its data-parallel rank, 2 bytes little-endian."""
+    return rank.to_bytes(2, "little")
+
+
+def identity_rank(identity: bytes) -> int:
+    return int.from_bytes(identity, "little")
