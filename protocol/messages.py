@@ -160,7 +160,8 @@ class EngineReady(_Wire):
     hostname: str = ""
 
 
-# A single-frame message an engine sends every API server when it dies of an error.
+# First frame of [ENGINE_CORE_DEAD, rank] an engine sends every API server when it dies
+# of an error (output messages are single-frame, so the two never mix).
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 
 

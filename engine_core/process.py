@@ -1,0 +1,359 @@
+"""The engine-core process: handshake, then three threads around one EngineCore.
+
+    input thread   DEALER per API server → decode → input queue
+    busy loop      input queue → EngineCore.step() → output queue   (this thread owns torch)
+    output thread  output queue → encode → PUSH to sockets[client_index]
+
+ZMQ and msgpack release the GIL, so encoding and sending step N's outputs overlap
+the forward of step N+1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+
+import zmq
+
+from engine_core.process_config import EngineProcConfig
+from protocol import codec
+from protocol.handshake import EngineHello, EnginePlan, decode_handshake, encode_handshake
+from protocol.lifecycle import die_with_parent
+from protocol.logs import setup_logging
+from protocol.messages import (
+    ENGINE_CORE_DEAD,
+    PROTOCOL_VERSION,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineReady,
+    FinishReason,
+    RequestType,
+    SchedulerStats,
+    UtilityCall,
+    UtilityResult,
+)
+from protocol.sockets import make_socket, needs_curve, rank_identity
+
+log = logging.getLogger("zserve.engine")
+
+# Stats reach every API server at least this often while they change (load-balancing
+# freshness), and every HEARTBEAT_S regardless (liveness).
+STATS_INTERVAL_S = 0.1
+HEARTBEAT_S = 1.0
+
+UTILITY_METHODS = ("reset_prefix_cache", "make_stats", "ping")
+
+
+class _Shutdown(Exception):
+    pass
+
+
+_HEARTBEAT = object()
+_DEAD = object()
+
+
+class EngineCoreProc:
+    """One engine core and its sockets; `run()` blocks until shutdown."""
+
+    def __init__(self, cfg: EngineProcConfig) -> None:
+        self.cfg = cfg
+        self.rank = cfg.rank
+        self.ctx = zmq.Context(io_threads=1)
+        self.inputs: list[zmq.Socket] = []
+        self.outputs: list[zmq.Socket] = []
+        self.input_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.output_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.stop = threading.Event()
+        self.engine = None
+        self.ready: EngineReady | None = None
+        self.stats = SchedulerStats()
+
+    # --- start-up -----------------------------------------------------------------
+
+    def handshake(self) -> EnginePlan:
+        """HELLO → PLAN. A DEALER connecting to an address nobody binds yet simply
+        waits, so an engine started before its head waits for it."""
+        address = self.cfg.handshake_address
+        sock = make_socket(
+            self.ctx,
+            zmq.DEALER,
+            curve=self.cfg.curve if needs_curve(address) else None,
+            identity=rank_identity(self.rank),
+        )
+        self.handshake_socket = sock
+        sock.connect(address)
+        hello = EngineHello(
+            PROTOCOL_VERSION,
+            self.rank,
+            self.cfg.local,
+            self.cfg.headless,
+            os.getpid(),
+            socket.gethostname(),
+        )
+        sock.send(encode_handshake("hello", hello))
+        deadline = time.monotonic() + self.cfg.ready_timeout_s
+        while not self.stop.is_set():
+            if sock.poll(200):
+                kind, body = decode_handshake(sock.recv())
+                if kind != "plan":
+                    raise RuntimeError(f"handshake: expected a plan, got {kind!r}")
+                if body.error:
+                    raise RuntimeError(f"the head refused engine {self.rank}: {body.error}")
+                return body
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"engine {self.rank}: no answer from the head at {address} within "
+                    f"{self.cfg.ready_timeout_s:.0f} s (--engine-ready-timeout)"
+                )
+        raise _Shutdown()
+
+    def connect(self, plan: EnginePlan) -> None:
+        for address in plan.input_addresses:
+            sock = make_socket(
+                self.ctx,
+                zmq.DEALER,
+                curve=self.cfg.curve if needs_curve(address) else None,
+                identity=rank_identity(self.rank),
+            )
+            sock.connect(address)
+            self.inputs.append(sock)
+        for address in plan.output_addresses:
+            sock = make_socket(
+                self.ctx,
+                zmq.PUSH,
+                curve=self.cfg.curve if needs_curve(address) else None,
+                linger_ms=2000,
+            )
+            sock.connect(address)
+            self.outputs.append(sock)
+
+    def load(self) -> None:
+        from engine_core.engine import EngineCore
+
+        self.engine = EngineCore(self.cfg.engine)
+        e = self.engine
+        self.ready = EngineReady(
+            protocol_version=PROTOCOL_VERSION,
+            rank=self.rank,
+            max_model_len=e.max_model_len,
+            num_kv_blocks=e.num_kv_blocks,
+            block_size=e.block_size,
+            dtype=e.dtype,
+            device=e.device,
+            vocab_size=e.vocab_size,
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+        )
+
+    def announce(self) -> None:
+        """The ROUTER send-first rule: each API server learns our identity from this."""
+        payload = codec.encode(self.ready)
+        for sock in self.inputs:
+            sock.send(payload)
+        self.handshake_socket.send(encode_handshake("ready", self.ready))
+
+    # --- threads ------------------------------------------------------------------
+
+    def input_thread(self) -> None:
+        poller = zmq.Poller()
+        for sock in self.inputs:
+            poller.register(sock, zmq.POLLIN)
+        while not self.stop.is_set():
+            for sock, _ in poller.poll(100):
+                frames = sock.recv_multipart(copy=True)
+                try:
+                    kind, payload = codec.decode_request(frames)
+                except codec.DecodeError as e:
+                    log.warning("engine %d: dropped an undecodable request: %s", self.rank, e)
+                    continue
+                self.input_queue.put((kind, payload))
+
+    def output_thread(self) -> None:
+        """Owns the PUSH sockets: everything bound for an API server goes through here."""
+        while True:
+            item = self.output_queue.get()
+            if item is None:
+                return
+            client_index, message = item
+            if message is _HEARTBEAT:
+                message = EngineCoreOutputs(
+                    engine_index=self.rank, scheduler_stats=self.stats, timestamp=time.time()
+                )
+                for sock in self.outputs:
+                    sock.send(codec.encode(message), copy=False)
+            elif message is _DEAD:
+                for sock in self.outputs:
+                    sock.send_multipart([ENGINE_CORE_DEAD, rank_identity(self.rank)])
+            elif 0 <= client_index < len(self.outputs):
+                self.outputs[client_index].send(codec.encode(message), copy=False)
+            else:
+                log.warning("engine %d: output for unknown client %d", self.rank, client_index)
+
+    def heartbeat_thread(self) -> None:
+        """Liveness for every API server, whatever the busy loop does. The stats it
+        carries include the step counter, so a hung loop is visible too."""
+        while not self.stop.wait(HEARTBEAT_S):
+            self.output_queue.put((-1, _HEARTBEAT))
+
+    # --- the busy loop ------------------------------------------------------------
+
+    def handle_input(self, kind: RequestType, payload) -> None:
+        engine = self.engine
+        if kind is RequestType.ADD:
+            req: EngineCoreRequest = payload
+            for out in engine.add_request(req):
+                self.send(req.client_index, [out])
+        elif kind is RequestType.ABORT:
+            engine.abort_requests(payload)
+        else:
+            self.call_utility(payload)
+
+    def call_utility(self, call: UtilityCall) -> None:
+        # The caller's client index travels as the first argument.
+        client_index, *args = call.args or [0]
+        if call.method not in UTILITY_METHODS:
+            result = UtilityResult(call.call_id, failure_message=f"unknown method {call.method!r}")
+        else:
+            try:
+                if call.method == "ping":
+                    value = "pong"
+                else:
+                    value = getattr(self.engine, call.method)(*args)
+                result = UtilityResult(call.call_id, result=value)
+            except Exception as e:  # a failed utility call must not kill the engine
+                result = UtilityResult(call.call_id, failure_message=f"{type(e).__name__}: {e}")
+        self.output_queue.put(
+            (
+                int(client_index),
+                EngineCoreOutputs(
+                    engine_index=self.rank,
+                    scheduler_stats=self.engine.make_stats(),
+                    timestamp=time.time(),
+                    utility_result=result,
+                ),
+            )
+        )
+
+    def send(self, client_index: int, outputs: list[EngineCoreOutput]) -> None:
+        self.output_queue.put(
+            (
+                client_index,
+                EngineCoreOutputs(
+                    engine_index=self.rank,
+                    outputs=outputs,
+                    scheduler_stats=self.stats,
+                    timestamp=time.time(),
+                ),
+            )
+        )
+
+    def busy_loop(self) -> None:
+        engine = self.engine
+        n_clients = len(self.outputs)
+        last_sent = [0.0] * n_clients
+        last_stats_key = None
+        self.stats: SchedulerStats = engine.make_stats()
+        while not self.stop.is_set():
+            # Block while idle; the timeout keeps stats and heartbeats flowing.
+            if not engine.has_unfinished_requests():
+                try:
+                    self.handle_input(*self.input_queue.get(timeout=STATS_INTERVAL_S))
+                except queue.Empty:
+                    pass
+            while True:
+                try:
+                    self.handle_input(*self.input_queue.get_nowait())
+                except queue.Empty:
+                    break
+            sent_to = set()
+            if engine.has_unfinished_requests():
+                grouped = engine.step()
+                self.stats = engine.make_stats()
+                now = time.monotonic()
+                for client_index, outs in grouped.items():
+                    self.send(client_index, outs)
+                    last_sent[client_index] = now
+                    sent_to.add(client_index)
+            else:
+                self.stats = engine.make_stats()
+            now = time.monotonic()
+            key = (self.stats.num_running, self.stats.num_waiting, self.stats.num_free_blocks)
+            changed = key != last_stats_key
+            last_stats_key = key
+            if not changed:
+                continue
+            for client_index in range(n_clients):
+                if (
+                    client_index not in sent_to
+                    and now - last_sent[client_index] >= STATS_INTERVAL_S
+                ):
+                    self.send(client_index, [])
+                    last_sent[client_index] = now
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    def run(self) -> int:
+        threads: list[threading.Thread] = []
+        try:
+            plan = self.handshake()
+            self.connect(plan)
+            self.load()
+            threads = [
+                threading.Thread(target=self.input_thread, name="engine-input", daemon=True),
+                threading.Thread(target=self.output_thread, name="engine-output", daemon=True),
+                threading.Thread(target=self.heartbeat_thread, name="engine-beat", daemon=True),
+            ]
+            for t in threads:
+                t.start()
+            self.announce()
+            log.info(
+                "engine %d ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+                self.rank,
+                self.ready.dtype,
+                self.ready.device,
+                self.ready.num_kv_blocks,
+                self.ready.block_size,
+                self.ready.max_model_len,
+            )
+            self.busy_loop()
+            return 0
+        except _Shutdown:
+            return 0
+        except Exception:
+            log.exception("engine %d failed", self.rank)
+            self.output_queue.put((-1, _DEAD))
+            return 1
+        finally:
+            self.stop.set()
+            self.output_queue.put(None)
+            for t in threads:
+                t.join(timeout=5)
+            self.ctx.destroy(linger=500)
+
+    def request_shutdown(self) -> None:
+        self.stop.set()
+
+
+def error_output(request_id: str, message: str) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR, error=message)
+
+
+def run_engine_core(cfg: EngineProcConfig) -> int:
+    """Process entry point of one engine core (spawned by the supervisor or headless)."""
+    setup_logging(f"engine{cfg.rank}", cfg.log_level)
+    die_with_parent(cfg.parent_pid)
+    proc = EngineCoreProc(cfg)
+
+    def on_signal(signum, frame):
+        log.info("engine %d: %s, shutting down", cfg.rank, signal.Signals(signum).name)
+        proc.request_shutdown()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return proc.run()

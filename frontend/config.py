@@ -1,0 +1,59 @@
+"""The API server's configuration: parsed once by the launcher, passed down as is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.sockets import CurveKeys
+
+
+@dataclass
+class FrontendConfig:
+    model_dir: str
+    tokenizer_dir: str
+    served_model_names: list[str]
+    host: str | None = "0.0.0.0"
+    port: int = 8000
+    api_server_count: int = 1
+    num_engines: int = 1
+    engine_ready_timeout_s: float = 600.0
+    curve: CurveKeys | None = None
+    log_level: str = "INFO"
+    # OpenAI surface
+    max_logprobs: int = 20
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
+    enable_request_id_headers: bool = False
+    enable_prompt_tokens_details: bool = False
+    enable_tokenizer_info_endpoint: bool = False
+    enable_server_load_tracking: bool = False
+    disable_fastapi_docs: bool = False
+    disable_log_requests: bool = True
+    disable_log_stats: bool = False
+    api_key: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    root_path: str = ""
+    middleware: list[str] = field(default_factory=list)
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    sse_keep_alive_interval: float = 0.0
+    stream_interval: int = 1
+    max_num_queued_reqs: int | None = None
+    max_num_queued_tokens: int | None = None
+    metrics_prefix: str = "zserve"
+    shutdown_timeout: float = 0.0
+    uvicorn_log_level: str = "warning"
+
+
+@dataclass
+class APIServerConfig:
+    """One API-server process: the shared frontend config plus its own place in the mesh."""
+
+    frontend: FrontendConfig
+    client_index: int
+    input_address: str
+    output_address: str
+    parent_pid: int | None = None

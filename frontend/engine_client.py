@@ -1,0 +1,320 @@
+"""The API server's link to every engine core: ROUTER out, PULL in, over zmq.asyncio.
+
+One output-handler task decodes what the engines send and routes each output to
+the stream of its request; requests are registered *before* their ADD is sent, so
+no output can arrive for an unknown request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from protocol import codec
+from protocol.messages import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineReady,
+    RequestType,
+    SchedulerStats,
+    UtilityCall,
+)
+from protocol.sockets import CurveKeys, bind, identity_rank, make_socket, needs_curve
+
+log = logging.getLogger("zserve.client")
+
+
+class EngineDeadError(RuntimeError):
+    """An engine this request depends on has died."""
+
+
+@dataclass
+class EngineState:
+    rank: int
+    identity: bytes
+    ready: EngineReady | None = None
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+    in_flight: int = 0  # this API server's requests on this engine
+    alive: bool = True
+    dead_reason: str = ""
+    last_seen: float = 0.0
+    stats_at_pick: int = 0  # stats updates seen; see pick_engine
+
+
+class RequestStream:
+    """Outputs of one engine request, in order, for the coroutine that serves it."""
+
+    __slots__ = ("request_id", "engine", "items", "event", "finished", "error")
+
+    def __init__(
+        self, request_id: str, engine: EngineState, event: asyncio.Event | None = None
+    ) -> None:
+        self.request_id = request_id
+        self.engine = engine
+        self.items: list[EngineCoreOutput] = []
+        # Sibling streams of one API call (n > 1, several prompts) share one event.
+        self.event = event or asyncio.Event()
+        self.finished = False
+        self.error: BaseException | None = None
+
+    def put(self, output: EngineCoreOutput) -> None:
+        self.items.append(output)
+        self.event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.event.set()
+
+    async def next_batch(self) -> list[EngineCoreOutput]:
+        """Every output that arrived since the last call (waits for at least one)."""
+        while not self.items:
+            if self.error is not None:
+                raise self.error
+            self.event.clear()
+            await self.event.wait()
+        items, self.items = self.items, []
+        return items
+
+
+@dataclass
+class ClientConfig:
+    client_index: int
+    num_engines: int
+    input_address: str  # where our ROUTER binds (engines' DEALERs connect)
+    output_address: str  # where our PULL binds (engines' PUSHes connect)
+    curve: CurveKeys | None = None
+
+
+class EngineClient:
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self.client_index = config.client_index
+        self.ctx = zmq.asyncio.Context()
+        self.router = make_socket(
+            self.ctx,
+            zmq.ROUTER,
+            curve=config.curve if needs_curve(config.input_address) else None,
+            curve_server=True,
+        )
+        # Sending to an engine we have not heard from raises instead of vanishing.
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.pull = make_socket(
+            self.ctx,
+            zmq.PULL,
+            curve=config.curve if needs_curve(config.output_address) else None,
+            curve_server=True,
+        )
+        self.input_address = bind(self.router, config.input_address)
+        self.output_address = bind(self.pull, config.output_address)
+        self.engines = [
+            EngineState(rank, rank.to_bytes(2, "little")) for rank in range(config.num_engines)
+        ]
+        self.requests: dict[str, RequestStream] = {}
+        self._rotate = itertools.count()
+        self._utility_ids = itertools.count(1)
+        self._utility_waiters: dict[int, asyncio.Future] = {}
+        self._tasks: list[asyncio.Task] = []
+        self.on_stats: Callable[[EngineState], None] | None = None
+        self.dead = False
+
+    # --- start-up -----------------------------------------------------------------
+
+    async def wait_for_engines(self, timeout_s: float) -> None:
+        """Wait until every engine has announced itself on our ROUTER."""
+        deadline = time.monotonic() + timeout_s
+        pending = {e.rank for e in self.engines}
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not await self.router.poll(int(remaining * 1000)):
+                raise TimeoutError(
+                    f"engines {sorted(pending)} did not connect to API server "
+                    f"{self.client_index} within {timeout_s:.0f} s"
+                )
+            self._on_router_message(await self.router.recv_multipart(), pending)
+        self._tasks.append(asyncio.create_task(self._output_handler(), name="output-handler"))
+        self._tasks.append(asyncio.create_task(self._router_reader(), name="router-reader"))
+
+    def _on_router_message(self, frames: list[bytes], pending: set[int] | None = None) -> None:
+        """An engine's (re)announcement on our ROUTER."""
+        if len(frames) != 2:
+            log.warning("dropped a %d-frame message on the request socket", len(frames))
+            return
+        rank = identity_rank(frames[0])
+        try:
+            ready = codec.decode_ready(frames[1])
+        except codec.DecodeError as e:
+            log.warning("dropped an undecodable announcement from %r: %s", frames[0], e)
+            return
+        if not 0 <= rank < len(self.engines) or ready.rank != rank:
+            log.warning("dropped an announcement from unknown engine rank %d", rank)
+            return
+        engine = self.engines[rank]
+        engine.ready = ready
+        engine.last_seen = time.monotonic()
+        if pending is not None:
+            pending.discard(rank)
+
+    async def _router_reader(self) -> None:
+        while True:
+            self._on_router_message(await self.router.recv_multipart())
+
+    @property
+    def max_model_len(self) -> int:
+        return min(e.ready.max_model_len for e in self.engines if e.ready)
+
+    # --- requests -----------------------------------------------------------------
+
+    def pick_engine(self, pinned_rank: int | None = None) -> EngineState:
+        """The engine with the lowest load score; ties rotate.
+
+        Score = engine-reported waiting + running (fresh within ~100 ms) plus this
+        server's own in-flight requests on it, which moves instantly, so a burst that
+        arrives before any stats still spreads evenly.
+        """
+        if pinned_rank is not None:
+            engine = self.engines[pinned_rank]
+            if not engine.alive:
+                raise EngineDeadError(f"engine {pinned_rank} is dead: {engine.dead_reason}")
+            return engine
+        n = len(self.engines)
+        start = next(self._rotate) % n
+        best, best_score = None, None
+        for i in range(n):
+            engine = self.engines[(start + i) % n]
+            if not engine.alive:
+                continue
+            s = engine.stats
+            score = s.num_waiting + s.num_running + engine.in_flight
+            if best_score is None or score < best_score:
+                best, best_score = engine, score
+        if best is None:
+            raise EngineDeadError("no engine is alive")
+        return best
+
+    def add_request(
+        self, request: EngineCoreRequest, engine: EngineState, event: asyncio.Event | None = None
+    ) -> RequestStream:
+        if self.dead or not engine.alive:
+            raise EngineDeadError(f"engine {engine.rank} is dead: {engine.dead_reason}")
+        stream = RequestStream(request.request_id, engine, event)
+        self.requests[request.request_id] = stream
+        engine.in_flight += 1
+        request.client_index = self.client_index
+        self._send(engine, RequestType.ADD, request)
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Forget these requests and tell their engines to free them (idempotent)."""
+        by_engine: dict[int, list[str]] = {}
+        for rid in request_ids:
+            stream = self.requests.pop(rid, None)
+            if stream is None:
+                continue
+            stream.finished = True
+            stream.engine.in_flight -= 1
+            by_engine.setdefault(stream.engine.rank, []).append(rid)
+        for rank, ids in by_engine.items():
+            engine = self.engines[rank]
+            if engine.alive:
+                self._send(engine, RequestType.ABORT, ids)
+
+    def _send(self, engine: EngineState, kind: RequestType, payload: object) -> None:
+        try:
+            self.router.send_multipart([engine.identity, *codec.encode_request(kind, payload)])
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the engine's DEALER is gone
+            self.mark_dead(engine, f"cannot reach engine {engine.rank}: {e}")
+            raise EngineDeadError(engine.dead_reason) from e
+
+    async def call_utility(self, engine: EngineState, method: str, *args) -> object:
+        call_id = next(self._utility_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._utility_waiters[call_id] = future
+        self._send(
+            engine,
+            RequestType.UTILITY,
+            UtilityCall(call_id, method, [self.client_index, *args]),
+        )
+        try:
+            return await future
+        finally:
+            self._utility_waiters.pop(call_id, None)
+
+    # --- outputs ------------------------------------------------------------------
+
+    async def _output_handler(self) -> None:
+        """Hot path: runs once per message from any engine."""
+        pull = self.pull
+        requests = self.requests
+        engines = self.engines
+        while True:
+            frames = await pull.recv_multipart(copy=False)
+            data = frames[0].buffer
+            if len(frames) != 1:
+                self._special_message(frames)
+                continue
+            try:
+                outs = codec.decode_outputs(data)
+                engine = engines[outs.engine_index]
+            except (*codec.DecodeError, IndexError) as e:
+                log.warning("dropped an undecodable output message: %s", e)
+                continue
+            engine.last_seen = time.monotonic()
+            if outs.scheduler_stats is not None:
+                engine.stats = outs.scheduler_stats
+                if self.on_stats is not None:
+                    self.on_stats(engine)
+            for out in outs.outputs:
+                stream = requests.get(out.request_id)
+                if stream is None:
+                    continue  # aborted here already, or not ours
+                stream.put(out)
+                if out.finish_reason is not None:
+                    del requests[out.request_id]
+                    stream.finished = True
+                    engine.in_flight -= 1
+            if outs.utility_result is not None:
+                waiter = self._utility_waiters.get(outs.utility_result.call_id)
+                if waiter is not None and not waiter.done():
+                    r = outs.utility_result
+                    if r.failure_message:
+                        waiter.set_exception(RuntimeError(r.failure_message))
+                    else:
+                        waiter.set_result(r.result)
+
+    def _special_message(self, frames) -> None:
+        """[ENGINE_CORE_DEAD, rank]: an engine's last words before it exits."""
+        if len(frames) == 2 and bytes(frames[0].buffer) == ENGINE_CORE_DEAD:
+            rank = identity_rank(bytes(frames[1].buffer))
+            if 0 <= rank < len(self.engines):
+                self.mark_dead(self.engines[rank], "the engine reported a fatal error")
+                return
+        log.warning("dropped a %d-frame message on the output socket", len(frames))
+
+    def mark_dead(self, engine: EngineState, reason: str) -> None:
+        if not engine.alive:
+            return
+        engine.alive = False
+        engine.dead_reason = reason
+        log.error("engine %d is dead: %s", engine.rank, reason)
+        error = EngineDeadError(f"engine {engine.rank} died: {reason}")
+        for rid, stream in list(self.requests.items()):
+            if stream.engine is engine:
+                del self.requests[rid]
+                stream.finished = True
+                stream.fail(error)
+        engine.in_flight = 0
+        if not any(e.alive for e in self.engines):
+            self.dead = True
+
+    def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        self.ctx.destroy(linger=0)

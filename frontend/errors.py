@@ -1,0 +1,84 @@
+"""Errors as values at the HTTP boundary: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+log = logging.getLogger("zserve.api")
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """Raised anywhere in a handler; becomes a JSON error response (or SSE error event)."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.status, self.param)
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "APIError"),
+            "param": param,
+            "code": status,
+        }
+    }
+
+
+def error_response(
+    message: str, status: int, param: str | None = None, headers: dict | None = None
+) -> Response:
+    return Response(
+        orjson.dumps(error_body(message, status, param)),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
+async def handle_api_error(request: Request, exc: APIError) -> Response:
+    return error_response(exc.message, exc.status, exc.param, exc.headers)
+
+
+async def handle_http_exception(request: Request, exc) -> Response:
+    status = getattr(exc, "status_code", 500)
+    detail = getattr(exc, "detail", None) or "error"
+    if status == 404:
+        detail = f"route {request.method} {request.url.path} not found"
+    return error_response(str(detail), status, headers=getattr(exc, "headers", None))
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> Response:
+    rid = request.headers.get("x-request-id", "-")
+    log.exception("internal error on %s (request id %s)", request.url.path, rid)
+    return error_response(f"internal server error ({type(exc).__name__})", 500)

@@ -1,0 +1,225 @@
+"""One API call's generation: its engine requests (prompts × n) and their merged output.
+
+The serving modules shape what this yields into OpenAI chunks or responses; this
+module owns ids, ADD / ABORT, detokenization and stop strings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass, field
+
+import msgspec
+
+from frontend.detokenizer import IncrementalDetokenizer
+from frontend.engine_client import EngineClient, EngineState, RequestStream
+from frontend.errors import APIError
+from protocol.messages import (
+    EngineCoreRequest,
+    FinishReason,
+    Logprobs,
+    SamplingParams,
+    now,
+)
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """What one choice gained from one engine output."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: Logprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class Choice:
+    """One engine request: one prompt, one sample."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    engine_request_id: str
+    detok: IncrementalDetokenizer
+    stream: RequestStream | None = None
+    num_generated: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: Logprobs | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprob_rows: list[Logprobs] = field(default_factory=list)  # non-streaming only
+    first_token_time: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Generation:
+    """Choices of one request; `start()` sends every ADD, `deltas()` merges outputs."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        n: int,
+        tokenizer,
+        stop: list[str],
+        include_stop: bool,
+        skip_special_tokens: bool,
+        priority: int = 0,
+        engine_rank: int | None = None,
+    ) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.priority = priority
+        self.engine_rank = engine_rank
+        self.event = asyncio.Event()
+        self.arrival_time = now()
+        self.keep_logprobs = False  # non-streaming responses collect every logprob row
+        self.engine: EngineState | None = None
+        self.choices: list[Choice] = []
+        for p, prompt_ids in enumerate(prompts):
+            for s in range(n):
+                sample_params = params
+                if params.seed is not None and s:
+                    sample_params = _with_seed(params, params.seed + s)
+                self.choices.append(
+                    Choice(
+                        index=p * n + s,
+                        prompt_index=p,
+                        prompt_ids=prompt_ids,
+                        params=sample_params,
+                        # Client ids may repeat; the suffix keeps engine ids unique.
+                        engine_request_id=f"{request_id}-{p}-{s}-{secrets.token_hex(4)}",
+                        detok=IncrementalDetokenizer(
+                            tokenizer,
+                            prompt_ids,
+                            skip_special_tokens=skip_special_tokens,
+                            stop=stop,
+                            include_stop=include_stop,
+                        ),
+                    )
+                )
+        self.prompts = prompts
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_generated(self) -> int:
+        return sum(c.num_generated for c in self.choices)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(c.num_cached_tokens for c in self.choices)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    def start(self) -> None:
+        client = self.client
+        engine = client.pick_engine(self.engine_rank)
+        self.engine = engine
+        try:
+            for choice in self.choices:
+                request = EngineCoreRequest(
+                    request_id=choice.engine_request_id,
+                    prompt_token_ids=choice.prompt_ids,
+                    sampling_params=choice.params,
+                    arrival_time=self.arrival_time,
+                    priority=self.priority,
+                    data_parallel_rank=self.engine_rank,
+                )
+                choice.stream = client.add_request(request, engine, self.event)
+        except Exception:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Free every unfinished choice in the engine (idempotent)."""
+        ids = [c.engine_request_id for c in self.choices if c.stream and not c.stream.finished]
+        if ids:
+            self.client.abort(ids)
+
+    async def deltas(self, keep_alive_s: float | None = None):
+        """Yield lists of ChoiceDelta as outputs arrive, one delta per engine output;
+        an empty list means `keep_alive_s` passed without output. Raises APIError on
+        an engine error."""
+        pending = [c for c in self.choices if not c.finished]
+        while pending:
+            batch: list[ChoiceDelta] = []
+            for choice in pending:
+                stream = choice.stream
+                if stream.error is not None and not stream.items:
+                    raise APIError(str(stream.error), 500)
+                if stream.items:
+                    items, stream.items = stream.items, []
+                    for out in items:
+                        batch.append(self._apply(choice, out))
+                        if choice.finished:
+                            break
+            if batch:
+                pending = [c for c in pending if not c.finished]
+                yield batch
+                continue
+            self.event.clear()
+            if keep_alive_s:
+                try:
+                    await asyncio.wait_for(self.event.wait(), keep_alive_s)
+                except TimeoutError:
+                    yield []
+            else:
+                await self.event.wait()
+
+    def _apply(self, choice: Choice, out) -> ChoiceDelta:
+        """Hot path: one engine output of one choice → its delta."""
+        if out.finish_reason is FinishReason.ERROR:
+            self.abort()
+            raise APIError(
+                f"the engine failed request {self.request_id}: {out.error or 'unknown error'}",
+                500,
+            )
+        ids = out.new_token_ids
+        if not choice.num_generated and ids:
+            choice.first_token_time = now()
+            choice.num_cached_tokens = out.num_cached_tokens
+        choice.num_generated += len(ids)
+        choice.token_ids.extend(ids)
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
+        if self.keep_logprobs and out.new_logprobs is not None:
+            choice.logprob_rows.append(out.new_logprobs)
+        stop_string = choice.detok.add(ids)
+        finish_reason = stop_reason = None
+        if stop_string is not None:
+            finish_reason, stop_reason = "stop", stop_string
+            if not out.finished:
+                self.client.abort([choice.engine_request_id])
+        elif out.finish_reason is not None:
+            finish_reason, stop_reason = out.finish_reason.openai_name, out.stop_reason
+        choice.finish_reason = finish_reason
+        choice.stop_reason = stop_reason
+        return ChoiceDelta(
+            index=choice.index,
+            text=choice.detok.take(final=finish_reason is not None),
+            token_ids=ids,
+            logprobs=out.new_logprobs,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+        )
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return msgspec.structs.replace(params, seed=seed)

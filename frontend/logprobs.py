@@ -1,0 +1,111 @@
+"""Engine logprob rows → the OpenAI shapes (legacy completions, chat) and vLLM's prompt_logprobs.
+
+An engine row is (token_ids, logprobs, rank): column 0 is the chosen token, the
+rest its top-n alternatives, best first.
+"""
+
+from __future__ import annotations
+
+import math
+
+from frontend.renderer import Renderer
+from protocol.messages import Logprobs
+
+FLOOR = -9999.0
+
+
+def _clamp(value: float) -> float:
+    return FLOOR if math.isinf(value) or math.isnan(value) or value < FLOOR else value
+
+
+class CompletionLogprobs:
+    """Accumulates the legacy `{tokens, token_logprobs, top_logprobs, text_offset}`."""
+
+    def __init__(self, renderer: Renderer, top_n: int, text_offset: int = 0) -> None:
+        self.renderer = renderer
+        self.top_n = top_n
+        self.offset = text_offset
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float] | None] = []
+        self.text_offset: list[int] = []
+
+    def add_prompt(self, prompt_ids: list[int], rows: Logprobs | None) -> None:
+        """Echoed prompt tokens: the first has no logprob; the others come from
+        prompt logprobs when the engine computed them."""
+        for i, token_id in enumerate(prompt_ids):
+            row = i - 1
+            if rows is not None and 0 <= row < len(rows.token_ids):
+                self._add(rows.token_ids[row], rows.logprobs[row], token_id)
+            else:
+                self._append(self.renderer.token_text(token_id), None, None)
+
+    def add(self, rows: Logprobs) -> None:
+        for ids, lps in zip(rows.token_ids, rows.logprobs, strict=True):
+            self._add(ids, lps, ids[0])
+
+    def _add(self, ids: list[int], lps: list[float], token_id: int) -> None:
+        text = self.renderer.token_text
+        top: dict[str, float] = {}
+        for tid, lp in zip(ids[1 : self.top_n + 1], lps[1 : self.top_n + 1], strict=False):
+            top.setdefault(text(tid), _clamp(lp))
+        chosen = text(token_id)
+        top.setdefault(chosen, _clamp(lps[0]))
+        self._append(chosen, _clamp(lps[0]), top)
+
+    def _append(self, token: str, logprob: float | None, top: dict | None) -> None:
+        self.tokens.append(token)
+        self.token_logprobs.append(logprob)
+        self.top_logprobs.append(top)
+        self.text_offset.append(self.offset)
+        self.offset += len(token)
+
+    def take(self, start: int) -> dict:
+        return {
+            "tokens": self.tokens[start:],
+            "token_logprobs": self.token_logprobs[start:],
+            "top_logprobs": self.top_logprobs[start:],
+            "text_offset": self.text_offset[start:],
+        }
+
+
+def chat_logprobs(renderer: Renderer, rows: Logprobs, top_n: int) -> list[dict]:
+    """`choices[].logprobs.content` entries; exactly `top_n` alternatives each."""
+    text = renderer.token_text
+    content = []
+    for ids, lps in zip(rows.token_ids, rows.logprobs, strict=True):
+        token = text(ids[0])
+        content.append(
+            {
+                "token": token,
+                "logprob": _clamp(lps[0]),
+                "bytes": list(token.encode("utf-8")),
+                "top_logprobs": [
+                    {
+                        "token": (t := text(tid)),
+                        "logprob": _clamp(lp),
+                        "bytes": list(t.encode("utf-8")),
+                    }
+                    for tid, lp in zip(ids[1 : top_n + 1], lps[1 : top_n + 1], strict=False)
+                ],
+            }
+        )
+    return content
+
+
+def prompt_logprobs(renderer: Renderer, prompt_ids: list[int], rows: Logprobs | None) -> list:
+    """vLLM's shape: None for the first prompt token, then {token_id: {logprob, rank,
+    decoded_token}} holding the actual token and the top-n."""
+    if rows is None:
+        return None
+    text = renderer.token_text
+    result: list[dict | None] = [None]
+    for i, (ids, lps) in enumerate(zip(rows.token_ids, rows.logprobs, strict=True)):
+        entry = {}
+        for j, (tid, lp) in enumerate(zip(ids, lps, strict=True)):
+            rank = rows.ranks[i] if j == 0 else j
+            entry.setdefault(
+                str(tid), {"logprob": _clamp(lp), "rank": rank, "decoded_token": text(tid)}
+            )
+        result.append(entry)
+    return result[: len(prompt_ids)]

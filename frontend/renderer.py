@@ -1,0 +1,78 @@
+"""Prompt rendering: the tokenizer, the chat template and the model facts the API needs.
+
+Uses transformers' PreTrainedTokenizerFast (never AutoTokenizer, which imports torch)
+and the raw `tokenizers.Tokenizer` underneath it for the hot paths.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("zserve.renderer")
+
+
+class Renderer:
+    def __init__(self, tokenizer_dir: str, model_dir: str, chat_template: str | None = None):
+        from transformers import PreTrainedTokenizerFast
+
+        self.tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+        self.raw = self.tokenizer.backend_tokenizer
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
+        self.config = _read_json(Path(model_dir) / "config.json")
+        self.generation_config = _read_json(Path(model_dir) / "generation_config.json")
+        self.vocab_size = int(self.config.get("vocab_size") or len(self.tokenizer))
+        self.eos_token_ids = _as_list(self.generation_config.get("eos_token_id"))
+        if not self.eos_token_ids:
+            self.eos_token_ids = _as_list(self.config.get("eos_token_id"))
+        if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids = [self.tokenizer.eos_token_id]
+        self.special_ids = set(self.tokenizer.all_special_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.raw.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.raw.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The text one token stands for on its own (for logprobs)."""
+        return self.raw.decode([token_id], skip_special_tokens=False)
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        if self.tokenizer.chat_template is None and chat_template is None:
+            raise ValueError(
+                "this model has no chat template; pass --chat-template or use /v1/completions"
+            )
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            **(template_kwargs or {}),
+        )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]

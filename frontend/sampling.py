@@ -1,0 +1,104 @@
+"""Request fields → the engine's SamplingParams, with the checks that need the model
+or the server's flags. Every failure is an APIError naming the field and the limit."""
+
+from __future__ import annotations
+
+from frontend.errors import APIError
+from frontend.openai_models import SamplingFields
+from protocol.messages import SamplingParams
+
+# generation_config.json keys that act as server-side defaults (request values win).
+_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(generation_config: dict) -> dict:
+    """vLLM's rule: the model's generation_config supplies defaults for sampling fields."""
+    return {k: generation_config[k] for k in _DEFAULT_KEYS if k in generation_config}
+
+
+def check_prompt_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {num_prompt_tokens} tokens; the prompt must be shorter than the "
+            f"context length.",
+            param="input_tokens",
+        )
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+            param="max_tokens",
+        )
+
+
+def check_token_ids(ids, vocab_size: int, field: str) -> None:
+    for token_id in ids:
+        if not 0 <= token_id < vocab_size:
+            raise APIError(
+                f"{field} contains token id {token_id}, which is out of vocabulary "
+                f"(the vocabulary has {vocab_size} tokens: ids 0..{vocab_size - 1})",
+                param=field,
+            )
+
+
+def check_logprobs(value: int | None, field: str, max_logprobs: int) -> None:
+    if value is None:
+        return
+    if value < 0:
+        raise APIError(f"{field} must be >= 0, got {value}", param=field)
+    if value > max_logprobs:
+        raise APIError(
+            f"{field} is {value}, more than this server allows (--max-logprobs {max_logprobs})",
+            param=field,
+        )
+
+
+def build_sampling_params(
+    req: SamplingFields,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    defaults: dict,
+    vocab_size: int,
+    max_logprobs: int,
+) -> SamplingParams:
+    check_logprobs(logprobs, "logprobs", max_logprobs)
+    check_logprobs(req.prompt_logprobs, "prompt_logprobs", max_logprobs)
+    if req.stop_token_ids:
+        check_token_ids(req.stop_token_ids, vocab_size, "stop_token_ids")
+    if req.allowed_token_ids is not None:
+        if not req.allowed_token_ids:
+            raise APIError("allowed_token_ids may not be empty", param="allowed_token_ids")
+        check_token_ids(req.allowed_token_ids, vocab_size, "allowed_token_ids")
+    logit_bias = None
+    if req.logit_bias:
+        logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in req.logit_bias.items()}
+        check_token_ids(logit_bias, vocab_size, "logit_bias")
+
+    def pick(name: str, fallback):
+        value = getattr(req, name)
+        if value is None:
+            value = defaults.get(name, fallback)
+        return value
+
+    top_k = pick("top_k", 0)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=float(pick("temperature", 1.0)),
+        top_p=float(pick("top_p", 1.0)),
+        top_k=0 if top_k in (None, -1) else int(top_k),
+        min_p=float(pick("min_p", 0.0)),
+        repetition_penalty=float(pick("repetition_penalty", 1.0)),
+        presence_penalty=float(req.presence_penalty or 0.0),
+        frequency_penalty=float(req.frequency_penalty or 0.0),
+        seed=req.seed,
+        min_tokens=req.min_tokens,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logit_bias=logit_bias,
+        logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        allowed_token_ids=req.allowed_token_ids,
+    )

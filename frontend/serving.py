@@ -1,0 +1,218 @@
+"""What every route handler shares: the parsed body, the model name, request ids,
+engine pinning, tokenization off the event loop, and the generation life cycle."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import orjson
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from frontend import sse
+from frontend.config import FrontendConfig
+from frontend.engine_client import EngineClient, EngineDeadError
+from frontend.errors import APIError
+from frontend.generation import Generation
+from frontend.renderer import Renderer
+from frontend.sampling import generation_defaults
+
+log = logging.getLogger("zserve.api")
+
+M = TypeVar("M", bound=BaseModel)
+
+# Prompts longer than this many characters are tokenized in a worker thread, so a
+# huge prompt never stalls every other stream on this event loop.
+OFFLOAD_CHARS = 4096
+
+
+class ServingContext:
+    def __init__(self, config: FrontendConfig, client: EngineClient, renderer: Renderer) -> None:
+        self.config = config
+        self.client = client
+        self.renderer = renderer
+        self.model_name = config.served_model_names[0]
+        self.defaults = generation_defaults(renderer.generation_config)
+        self.client_index = client.client_index
+        self.pid = os.getpid()
+        self.in_flight = 0
+        self.draining = False
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.max_model_len
+
+    # --- request parsing ----------------------------------------------------------
+
+    async def parse(self, request: Request, model: type[M]) -> M:
+        content_type = request.headers.get("content-type", "")
+        if content_type and "json" not in content_type.split(";")[0]:
+            raise APIError(
+                f"unsupported Content-Type {content_type!r}; send application/json",
+                415,
+            )
+        raw = await request.body()
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise APIError(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise APIError("the request body must be a JSON object")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            raise validation_error(e) from None
+
+    def resolve_model(self, name: str | None) -> str:
+        if not name or name in self.config.served_model_names:
+            return self.model_name
+        raise APIError(f"The model `{name}` does not exist.", 404, param="model")
+
+    def request_id(self, request: Request, body_id: str | None) -> str:
+        return request.headers.get("x-request-id") or body_id or uuid.uuid4().hex
+
+    def engine_rank(self, request: Request) -> int | None:
+        value = request.headers.get("x-data-parallel-rank")
+        if value is None:
+            return None
+        n = len(self.client.engines)
+        try:
+            rank = int(value)
+        except ValueError:
+            rank = -1
+        if not 0 <= rank < n:
+            raise APIError(
+                f"X-data-parallel-rank {value!r} is out of range: this server has {n} "
+                f"engine(s), ranks 0..{n - 1}",
+                param="X-data-parallel-rank",
+            )
+        return rank
+
+    def priority(self, request: Request, body_priority: int) -> int:
+        for header in ("x-priority", "x-vllm-priority"):
+            value = request.headers.get(header)
+            if value is not None:
+                try:
+                    return int(value)
+                except ValueError:
+                    raise APIError(f"{header} must be an integer, got {value!r}") from None
+        return body_priority
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) > OFFLOAD_CHARS:
+            return await asyncio.to_thread(self.renderer.encode, text, add_special_tokens)
+        return self.renderer.encode(text, add_special_tokens)
+
+    async def render_chat(self, **kwargs) -> str:
+        return await asyncio.to_thread(self.renderer.render_chat, **kwargs)
+
+    # --- the generation life cycle ------------------------------------------------
+
+    def start(self, generation: Generation) -> None:
+        if self.draining:
+            raise APIError("the server is shutting down", 503)
+        try:
+            generation.start()
+        except EngineDeadError as e:
+            raise APIError(f"the engine is not available: {e}", 503) from None
+
+    def response_headers(self, generation: Generation, request_id: str) -> dict[str, str]:
+        headers = {
+            "x-engine-rank": str(generation.engine.rank),
+            "x-api-server": str(self.client_index),
+        }
+        if self.config.enable_request_id_headers:
+            headers["x-request-id"] = request_id
+        return headers
+
+    def stream(
+        self,
+        request: Request,
+        generation: Generation,
+        events: AsyncIterator[bytes],
+        headers: dict[str, str],
+    ) -> StreamingResponse:
+        """HTTP 200 first; a later error becomes an error event; [DONE] always ends it;
+        a client that goes away aborts the generation."""
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in events:
+                    yield chunk
+            except APIError as e:
+                log.error("request %s failed mid-stream: %s", generation.request_id, e.message)
+                yield sse.event(e.body())
+            except Exception as e:
+                log.exception("request %s failed mid-stream", generation.request_id)
+                yield sse.event(APIError(f"internal server error ({type(e).__name__})", 500).body())
+            finally:
+                generation.abort()
+            yield sse.DONE
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+    async def complete(self, request: Request, generation: Generation) -> None:
+        """Run a non-streaming generation to the end; a client that disconnects
+        meanwhile aborts it (Starlette cancels only streaming responses)."""
+
+        async def drain() -> None:
+            async for _ in generation.deltas():
+                pass
+
+        try:
+            await run_unless_disconnected(request, drain)
+        finally:
+            generation.abort()
+
+
+async def run_unless_disconnected(request: Request, fn: Callable[[], Awaitable[None]]) -> None:
+    task = asyncio.ensure_future(fn())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        task.result()
+        return
+    task.cancel()
+    raise ClientDisconnected()
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready."""
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first pydantic error as a 400 naming the field (model-level validators
+    name theirs as the first word of the message: "field: ...")."""
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err.get("loc", ()))
+    msg = err.get("msg", "invalid value")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if not loc and ":" in msg and " " not in msg.split(":", 1)[0]:
+        loc = msg.split(":", 1)[0]
+        return APIError(f"{msg} (type={err.get('type')})", 400, param=loc)
+    detail = f"{loc}: {msg}" if loc else msg
+    return APIError(f"{detail} (type={err.get('type')})", 400, param=loc or None)
+
+
+def json_response(payload: dict, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(payload), media_type="application/json", headers=headers)

@@ -1,0 +1,195 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from frontend import sse
+from frontend.errors import APIError
+from frontend.generation import Generation
+from frontend.logprobs import CompletionLogprobs, prompt_logprobs
+from frontend.openai_models import CompletionRequest
+from frontend.sampling import build_sampling_params, check_prompt_length, check_token_ids
+from frontend.serving import ServingContext, json_response
+from frontend.usage import usage
+
+
+async def tokenize_prompts(ctx: ServingContext, body: CompletionRequest) -> list[list[int]]:
+    prompt = body.prompt
+    if prompt is None or prompt == "" or prompt == []:
+        raise APIError(
+            "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
+        )
+    if isinstance(prompt, str):
+        return [await ctx.encode(prompt, body.add_special_tokens)]
+    if all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    elif all(isinstance(p, str) for p in prompt):
+        return [await ctx.encode(p, body.add_special_tokens) for p in prompt]
+    else:
+        prompts = [list(p) for p in prompt]
+    for p in prompts:
+        if not p:
+            raise APIError("prompt: a token-id prompt may not be empty", param="prompt")
+        check_token_ids(p, ctx.renderer.vocab_size, "prompt")
+    return prompts
+
+
+async def create_completion(ctx: ServingContext, request: Request) -> Response:
+    body = await ctx.parse(request, CompletionRequest)
+    model = ctx.resolve_model(body.model)
+    request_id = ctx.request_id(request, body.request_id)
+    prompts = await tokenize_prompts(ctx, body)
+    max_tokens = body.max_tokens if body.max_tokens is not None else 16
+    echo_only = max_tokens == 0
+    params = build_sampling_params(
+        body,
+        max_tokens=max(max_tokens, 1),
+        logprobs=body.logprobs,
+        defaults=ctx.defaults,
+        vocab_size=ctx.renderer.vocab_size,
+        max_logprobs=ctx.config.max_logprobs,
+    )
+    if echo_only:
+        raise APIError("max_tokens: 0 (echo only) is not supported", param="max_tokens")
+    for p in prompts:
+        check_prompt_length(len(p), max_tokens, ctx.max_model_len)
+    generation = Generation(
+        ctx.client,
+        request_id,
+        prompts,
+        params,
+        n=body.n,
+        tokenizer=ctx.renderer.raw,
+        stop=body.stop_strings,
+        include_stop=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
+        priority=ctx.priority(request, body.priority),
+        engine_rank=ctx.engine_rank(request),
+    )
+    ctx.start(generation)
+    headers = ctx.response_headers(generation, request_id)
+    view = _CompletionView(ctx, body, generation, f"cmpl-{request_id}", model)
+    generation.keep_logprobs = not body.stream and body.logprobs is not None
+    if body.stream:
+        return ctx.stream(request, generation, view.events(), headers)
+    await ctx.complete(request, generation)
+    return json_response(view.response(), headers)
+
+
+class _CompletionView:
+    """Shapes one completion generation into OpenAI chunks or a response."""
+
+    def __init__(self, ctx: ServingContext, body: CompletionRequest, gen: Generation, id_, model):
+        self.ctx = ctx
+        self.body = body
+        self.gen = gen
+        self.id = id_
+        self.model = model
+        self.created = int(time.time())
+        self.started: set[int] = set()  # choices whose first chunk went out
+        self.logprobs = (
+            [CompletionLogprobs(ctx.renderer, body.logprobs) for _ in gen.choices]
+            if body.logprobs is not None
+            else None
+        )
+
+    def _prefix(self, index: int) -> str:
+        """Echo: the prompt text (and its logprob entries) before a choice's own text."""
+        if not self.body.echo:
+            return ""
+        choice = self.gen.choices[index]
+        text = self.ctx.renderer.decode(choice.prompt_ids, skip_special_tokens=False)
+        if self.logprobs is not None:
+            rec = self.logprobs[index]
+            rec.add_prompt(choice.prompt_ids, choice.prompt_logprobs)
+            rec.offset = len(text)
+        return text
+
+    def _chunk(self, choices: list[dict], usage_: dict | None) -> dict:
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage_,
+        }
+
+    async def events(self):
+        body = self.body
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = include_usage and bool(opts.continuous_usage_stats)
+        keep_alive = self.ctx.config.sse_keep_alive_interval or None
+        async for batch in self.gen.deltas(keep_alive):
+            if not batch:
+                yield sse.KEEP_ALIVE
+                continue
+            out = []
+            for d in batch:
+                first = d.index not in self.started
+                text = (self._prefix(d.index) if first else "") + d.text
+                if not text and not d.finish_reason:
+                    continue  # nothing to show yet (a partial character, a held-back stop)
+                self.started.add(d.index)
+                lp = None
+                if self.logprobs is not None:
+                    rec = self.logprobs[d.index]
+                    start = len(rec.tokens) if not first else 0
+                    if d.logprobs is not None:
+                        rec.add(d.logprobs)
+                    lp = rec.take(start)
+                choice = {
+                    "index": d.index,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": d.finish_reason,
+                    "stop_reason": d.stop_reason,
+                }
+                if body.return_token_ids:
+                    choice["token_ids"] = d.token_ids
+                    choice["prompt_token_ids"] = (
+                        self.gen.choices[d.index].prompt_ids if first else None
+                    )
+                out.append(
+                    sse.event(self._chunk([choice], usage(self.gen) if continuous else None))
+                )
+            if out:
+                yield b"".join(out)
+        if include_usage:
+            yield sse.event(self._chunk([], usage(self.gen)))
+
+    def response(self) -> dict:
+        body = self.body
+        choices = []
+        for c in self.gen.choices:
+            text = self._prefix(c.index) + c.detok.take(final=True)
+            lp = None
+            if self.logprobs is not None:
+                rec = self.logprobs[c.index]
+                for rows in c.logprob_rows:
+                    rec.add(rows)
+                lp = rec.take(0)
+            choices.append(
+                {
+                    "index": c.index,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                    "prompt_logprobs": prompt_logprobs(
+                        self.ctx.renderer, c.prompt_ids, c.prompt_logprobs
+                    )
+                    if body.prompt_logprobs is not None
+                    else None,
+                    "prompt_token_ids": c.prompt_ids if body.return_token_ids else None,
+                    "token_ids": c.token_ids if body.return_token_ids else None,
+                }
+            )
+        result = self._chunk(choices, usage(self.gen))
+        result["system_fingerprint"] = None
+        return result

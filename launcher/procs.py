@@ -1,0 +1,26 @@
+"""Entry points of the spawned children. Spawned processes import only this module
+and what their target needs: an API server never imports engine_core (or torch)."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+from engine_core.process_config import EngineProcConfig
+
+if TYPE_CHECKING:
+    from frontend.config import APIServerConfig
+
+__all__ = ["EngineProcConfig", "api_server_main", "engine_main"]
+
+
+def api_server_main(cfg: APIServerConfig, pipe) -> None:
+    from frontend.server import run_api_server
+
+    run_api_server(cfg, pipe)
+
+
+def engine_main(cfg: EngineProcConfig) -> None:
+    from engine_core.process import run_engine_core
+
+    sys.exit(run_engine_core(cfg))

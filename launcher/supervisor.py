@@ -1,0 +1,417 @@
+"""The supervisor of `zserve serve`: claims the port, starts the API servers and the
+engines, runs the engine handshake, then watches every child until a signal or a
+death ends the server. Shutdown order: API servers, then engines."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_connections
+
+import zmq
+
+from engine_core.config import EngineConfig
+from frontend.config import APIServerConfig, FrontendConfig
+from launcher import procs
+from launcher.models import ModelNotFoundError, resolve_model
+from launcher.port import PortBusyError, claim_port
+from launcher.serve_args import refuse_unsupported
+from protocol.handshake import (
+    EngineHello,
+    EnginePlan,
+    ProtocolVersionError,
+    decode_handshake,
+    encode_handshake,
+)
+from protocol.logs import setup_logging
+from protocol.messages import PROTOCOL_VERSION
+from protocol.sockets import bind, identity_rank, ipc_address, make_socket, tcp_address
+
+log = logging.getLogger("zserve.supervisor")
+
+_DTYPES = {"half": "float16", "float": "float32", "bf16": "bfloat16"}
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    name: str
+    process: mp.Process
+    pipe: object = None
+    info: dict = field(default_factory=dict)
+
+
+def engine_config(args: argparse.Namespace, model_dir: str, local_engines: int) -> EngineConfig:
+    return EngineConfig(
+        model=model_dir,
+        dtype=_DTYPES.get(args.dtype, args.dtype),
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        seed=args.seed,
+        cpu_threads=args.cpu_threads,
+        model_impl="native" if args.model_impl == "vllm" else args.model_impl,
+        data_parallel_size_local=max(local_engines, 1),
+    )
+
+
+def frontend_config(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) -> FrontendConfig:
+    names = args.served_model_name or [args.model or "zserve-default"]
+    return FrontendConfig(
+        model_dir=model_dir,
+        tokenizer_dir=tokenizer_dir,
+        served_model_names=names,
+        host=args.host,
+        port=args.port,
+        api_server_count=args.api_server_count,
+        num_engines=args.data_parallel_size,
+        engine_ready_timeout_s=args.engine_ready_timeout,
+        log_level=args.log_level,
+        uvicorn_log_level=args.uvicorn_log_level,
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    setup_logging("supervisor", args.log_level)
+    problem = refuse_unsupported(args)
+    if problem:
+        log.error("%s", problem)
+        return 2
+    try:
+        model_dir = _model_dir(args)
+        tokenizer_dir = (
+            resolve_model(args.tokenizer, args.revision) if args.tokenizer else model_dir
+        )
+    except ModelNotFoundError as e:
+        log.error("%s", e)
+        return 2
+    if args.api_server_count is None:
+        args.api_server_count = args.data_parallel_size
+    local = args.data_parallel_size_local
+    if local is None:
+        local = args.data_parallel_size
+    sup = Supervisor(args, model_dir, tokenizer_dir, local)
+    return sup.run()
+
+
+def _model_dir(args: argparse.Namespace) -> str:
+    if args.model is not None:
+        return resolve_model(args.model, args.revision)
+    from launcher.tiny_model import ensure_default_model
+
+    folder = ensure_default_model()
+    log.info(
+        "no MODEL given: serving the built-in default model at %s "
+        "(a small Llama with RANDOM weights: its text is gibberish; pass a model folder "
+        "or a cached Hugging Face id to serve a real one)",
+        folder,
+    )
+    return str(folder)
+
+
+class Supervisor:
+    def __init__(self, args: argparse.Namespace, model_dir: str, tokenizer_dir: str, local: int):
+        self.args = args
+        self.model_dir = model_dir
+        self.tokenizer_dir = tokenizer_dir
+        self.num_local = local
+        self.start_rank = args.data_parallel_start_rank
+        self.headless = args.headless
+        self.all_local = local == args.data_parallel_size and not args.headless
+        self.ctx = mp.get_context("spawn")
+        self.zmq = zmq.Context()
+        self.runtime_dir = tempfile.mkdtemp(prefix="zserve-")
+        self.api_servers: list[Child] = []
+        self.engines: list[Child] = []
+        self.stop_signal: int | None = None
+        self.holder = None
+        self.handshake = None
+
+    # --- the whole life -----------------------------------------------------------
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            if self.headless:
+                self.start_engines(self.args.data_parallel_address)
+                log.info(
+                    "headless: %d engine(s) (ranks %d..%d) joining %s",
+                    self.num_local,
+                    self.start_rank,
+                    self.start_rank + self.num_local - 1,
+                    self.handshake_address(),
+                )
+                return self.monitor()
+            self.holder = claim_port(self.args.host, self.args.port)
+            self.bind_handshake()
+            self.start_api_servers()
+            self.start_engines(None)
+            self.run_handshake()
+            self.wait_api_servers_serving()
+            host = self.args.host or "0.0.0.0"
+            log.info(
+                "zserve ready on http://%s:%d (%d API server(s), %d engine(s))",
+                host,
+                self.args.port,
+                len(self.api_servers),
+                self.args.data_parallel_size,
+            )
+            return self.monitor()
+        except PortBusyError as e:
+            log.error("%s", e)
+            return 1
+        except (StartupError, ProtocolVersionError, TimeoutError) as e:
+            log.error("start-up failed: %s", e)
+            return 1
+        except _Stop:
+            return 0
+        finally:
+            self.shutdown()
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = signum
+            log.info("%s: shutting down", signal.Signals(signum).name)
+            raise _Stop()
+
+    # --- start-up -----------------------------------------------------------------
+
+    def handshake_address(self) -> str:
+        if self.all_local:
+            return ipc_address(self.runtime_dir, "handshake")
+        return tcp_address(self.args.data_parallel_address, self.args.data_parallel_rpc_port)
+
+    def data_address(self, name: str) -> str:
+        if self.all_local:
+            return ipc_address(self.runtime_dir, name)
+        return tcp_address(self.args.data_parallel_address, 0)
+
+    def bind_handshake(self) -> None:
+        self.handshake = make_socket(self.zmq, zmq.ROUTER)
+        address = self.handshake_address()
+        try:
+            bind(self.handshake, address)
+        except zmq.ZMQError as e:
+            raise StartupError(f"cannot bind the engine handshake socket {address}: {e}") from e
+
+    def start_api_servers(self) -> None:
+        fc = frontend_config(self.args, self.model_dir, self.tokenizer_dir)
+        for index in range(self.args.api_server_count):
+            parent_end, child_end = self.ctx.Pipe()
+            cfg = APIServerConfig(
+                frontend=fc,
+                client_index=index,
+                input_address=self.data_address(f"api{index}-in"),
+                output_address=self.data_address(f"api{index}-out"),
+                parent_pid=os.getpid(),
+            )
+            process = self.ctx.Process(
+                target=procs.api_server_main, args=(cfg, child_end), name=f"api{index}"
+            )
+            process.start()
+            child_end.close()
+            self.api_servers.append(Child(f"API server {index}", process, parent_end))
+        for child in self.api_servers:
+            message = self._receive(child, "addresses", timeout_s=120)
+            child.info["input"], child.info["output"] = message[1], message[2]
+
+    def start_engines(self, head_address: str | None) -> None:
+        ec = engine_config(self.args, self.model_dir, self.num_local)
+        for i in range(self.num_local):
+            rank = self.start_rank + i
+            cfg = procs.EngineProcConfig(
+                engine=ec,
+                rank=rank,
+                handshake_address=self.handshake_address(),
+                local=not self.headless,
+                headless=self.headless,
+                ready_timeout_s=self.args.engine_ready_timeout,
+                log_level=self.args.log_level,
+                parent_pid=os.getpid(),
+            )
+            cfg.engine.data_parallel_rank = rank
+            process = self.ctx.Process(target=procs.engine_main, args=(cfg,), name=f"engine{rank}")
+            process.start()
+            self.engines.append(Child(f"engine {rank}", process))
+
+    def run_handshake(self) -> None:
+        """HELLO → PLAN for every rank, then wait for every READY."""
+        plan = EnginePlan(
+            PROTOCOL_VERSION,
+            [c.info["input"] for c in self.api_servers],
+            [c.info["output"] for c in self.api_servers],
+        )
+        expected = set(range(self.args.data_parallel_size))
+        ready: set[int] = set()
+        deadline = time.monotonic() + self.args.engine_ready_timeout
+        while ready != expected:
+            self._check_children(starting=True)
+            if time.monotonic() > deadline:
+                missing = sorted(expected - ready)
+                raise TimeoutError(
+                    f"engine(s) {missing} not ready within {self.args.engine_ready_timeout:.0f} s "
+                    f"(--engine-ready-timeout); remote engines join at {self.handshake_address()}"
+                )
+            if not self.handshake.poll(200):
+                continue
+            identity, data = self.handshake.recv_multipart()
+            rank = identity_rank(identity)
+            try:
+                kind, body = decode_handshake(data)
+            except ProtocolVersionError as e:
+                self.handshake.send_multipart(
+                    [identity, encode_handshake("plan", _refusal(str(e)))]
+                )
+                raise ProtocolVersionError(f"engine {rank}: {e}") from None
+            except ValueError as e:
+                log.warning("dropped a malformed handshake message from %r: %s", identity, e)
+                continue
+            if kind == "hello":
+                self._on_hello(identity, rank, body, expected, plan)
+            elif kind == "ready" and rank in expected:
+                ready.add(rank)
+                log.info(
+                    "engine %d ready (pid %d on %s, %s, %d KV blocks)",
+                    rank,
+                    body.pid,
+                    body.hostname,
+                    body.device,
+                    body.num_kv_blocks,
+                )
+
+    def _on_hello(self, identity: bytes, rank: int, hello: EngineHello, expected, plan) -> None:
+        local_ranks = range(self.start_rank, self.start_rank + self.num_local)
+        problem = None
+        if rank not in expected or hello.rank != rank:
+            problem = f"rank {rank} is not part of this server (ranks {sorted(expected)})"
+        elif (rank in local_ranks) == hello.headless:
+            problem = (
+                f"rank {rank} is {'local' if rank in local_ranks else 'remote'} here but the "
+                f"engine says headless={hello.headless}"
+            )
+        if problem:
+            log.warning("refused engine %d: %s", rank, problem)
+            self.handshake.send_multipart([identity, encode_handshake("plan", _refusal(problem))])
+            return
+        log.info("engine %d said hello (pid %d on %s)", rank, hello.pid, hello.hostname)
+        self.handshake.send_multipart([identity, encode_handshake("plan", plan)])
+
+    def wait_api_servers_serving(self) -> None:
+        for child in self.api_servers:
+            message = self._receive(child, "serving", timeout_s=self.args.engine_ready_timeout)
+            child.info["pid"] = message[1]
+
+    def _receive(self, child: Child, kind: str, timeout_s: float) -> tuple:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._check_children(starting=True)
+            if child.pipe.poll(0.2):
+                try:
+                    message = child.pipe.recv()
+                except EOFError:
+                    continue  # the death is reported by _check_children
+                if message[0] == kind:
+                    return message
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{child.name} did not report {kind!r} in {timeout_s:.0f} s")
+
+    # --- watching -----------------------------------------------------------------
+
+    def _check_children(self, starting: bool = False) -> None:
+        for child in self.api_servers + self.engines:
+            code = child.process.exitcode
+            if code is not None:
+                when = "during start-up" if starting else "unexpectedly"
+                raise StartupError(
+                    f"{child.name} (pid {child.process.pid}) exited {when} with code "
+                    f"{_describe(code)}; see its log lines above"
+                )
+
+    def monitor(self) -> int:
+        """Block until a child dies (→ exit 1) or a signal arrives (→ 0)."""
+        children = self.api_servers + self.engines
+        sentinels = {c.process.sentinel: c for c in children}
+        while True:
+            ready = wait_connections(list(sentinels), timeout=1.0)
+            for sentinel in ready:
+                child = sentinels[sentinel]
+                child.process.join(0)
+                log.error(
+                    "%s (pid %d) died with exit code %s; stopping the server",
+                    child.name,
+                    child.process.pid,
+                    _describe(child.process.exitcode),
+                )
+                return 1
+
+    # --- shutdown -----------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _stop_all([c.process for c in self.api_servers], grace_s=10.0)
+        _stop_all([c.process for c in self.engines], grace_s=10.0)
+        for child in self.api_servers:
+            if child.pipe is not None:
+                child.pipe.close()
+        if self.handshake is not None:
+            self.handshake.close(linger=0)
+        self.zmq.destroy(linger=0)
+        if self.holder is not None:
+            self.holder.close()
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+class _Stop(Exception):
+    """Raised from the signal handler to unwind whatever the supervisor is waiting on."""
+
+
+def _refusal(reason: str) -> EnginePlan:
+    return EnginePlan(PROTOCOL_VERSION, [], [], error=reason)
+
+
+def _describe(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"{code} ({signal.Signals(-code).name})"
+    return str(code)
+
+
+def _stop_all(processes: list[mp.Process], grace_s: float) -> None:
+    """SIGTERM, wait up to grace_s, then SIGKILL: nothing outlives the supervisor."""
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        try:
+            os.kill(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in alive:
+        if p.is_alive():
+            log.warning("%s did not stop in %.0f s; killing it", p.name, grace_s)
+            p.kill()
+            p.join(5)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(1)

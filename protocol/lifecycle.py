@@ -1,0 +1,22 @@
+"""Process life-cycle rules every zserve child follows."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def die_with_parent(parent_pid: int | None) -> None:
+    """Ask the kernel to SIGTERM this process when its parent dies, even by SIGKILL,
+    so no child outlives its supervisor."""
+    if parent_pid is None:
+        return
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
