@@ -219,7 +219,7 @@ class _ChatView:
                     "index": c.index,
                     "message": {
                         "role": self.role,
-                        "content": self.echo + c.detok.take(final=True),
+                        "content": self.echo + c.detok.text,
                         "refusal": None,
                         "tool_calls": [],
                         "reasoning": None,

@@ -167,7 +167,7 @@ class _CompletionView:
         body = self.body
         choices = []
         for c in self.gen.choices:
-            text = self._prefix(c.index) + c.detok.take(final=True)
+            text = self._prefix(c.index) + c.detok.text
             lp = None
             if self.logprobs is not None:
                 rec = self.logprobs[c.index]

@@ -84,7 +84,13 @@ def bind(sock: zmq.Socket, address: str) -> str:
         address = address.rsplit(":", 1)[0] + ":*"
     sock.bind(address)
     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
-    return endpoint.decode() if isinstance(endpoint, bytes) else endpoint
+    endpoint = endpoint.decode() if isinstance(endpoint, bytes) else endpoint
+    # An IPv6-enabled socket reports an IPv4 bind as [::ffff:a.b.c.d]; peers get the
+    # plain form, which works whether or not they enable IPv6.
+    if endpoint.startswith("tcp://[::ffff:") and "." in endpoint:
+        host, port = endpoint[len("tcp://[::ffff:") :].split("]:")
+        endpoint = tcp_address(host, port)
+    return endpoint
 
 
 def needs_curve(address: str) -> bool:

@@ -1,0 +1,182 @@
+"""Running `zserve serve` as a real subprocess in tests: free ports, its own process
+group, readiness by polling, and a teardown that always leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ZSERVE = [sys.executable, "-m", "launcher.cli"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Every live process of a process group (from /proc)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def listening_ports(pids: list[int]) -> set[int]:
+    """TCP ports on which any of these processes holds a listening socket."""
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            if parts[3] == "0A" and parts[9] in inodes:  # 0A = LISTEN
+                ports.add(int(parts[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+class ZServe:
+    """One `zserve serve` subprocess; use as a context manager."""
+
+    def __init__(
+        self,
+        *args: str,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        ready_timeout: float = 180.0,
+        wait_ready: bool = True,
+        log_path: Path | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.args = [*ZSERVE, "serve", *args]
+        if "--port" not in args and "--headless" not in args:
+            self.args += ["--port", str(self.port)]
+        if "--host" not in args and "--headless" not in args:
+            self.args += ["--host", "127.0.0.1"]
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.ready_timeout = ready_timeout
+        self.wait_ready = wait_ready
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ZServe:
+        if self.log_path is None:
+            import tempfile
+
+            self.log_path = Path(tempfile.mkstemp(prefix="zserve-test-", suffix=".log")[1])
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            self.args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            start_new_session=True,  # its own process group, so teardown reaches every child
+        )
+        if self.wait_ready:
+            self.wait_until_ready()
+        return self
+
+    def wait_until_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"zserve exited with {self.proc.returncode} before ready:\n{self.log()}"
+                )
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"zserve not ready in {self.ready_timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        if self._log is not None:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+    def pids(self) -> list[int]:
+        return group_pids(self.proc.pid) if self.proc else []
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM the supervisor, then SIGKILL the whole group if anything lingers."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        if self._log is not None:
+            self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> ZServe:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def server_info(base_url: str, headers: dict | None = None) -> dict:
+    return httpx.get(base_url + "/server_info", timeout=10, headers=headers).json()
