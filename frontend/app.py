@@ -5,16 +5,22 @@ from __future__ import annotations
 import sys
 from collections.abc import Awaitable, Callable
 
+import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from frontend.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
+from frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from frontend.middleware import APIKeyMiddleware, add_user_middleware
+from frontend.openapi import build_openapi
 from frontend.serving import ClientDisconnected, ServingContext, json_response
 from frontend.serving_chat import create_chat_completion
 from frontend.serving_completions import create_completion
+from frontend.serving_tokens import detokenize, tokenize, tokenizer_info
 
 VERSION = "0.1.0"
 
@@ -99,20 +105,70 @@ async def server_info(ctx: ServingContext, request: Request) -> Response:
     )
 
 
+async def ping(ctx: ServingContext, request: Request) -> Response:
+    return await health(ctx, request)
+
+
+async def load(ctx: ServingContext, request: Request) -> Response:
+    """In-flight requests of the whole server (with --enable-server-load-tracking)."""
+    server_load = ctx.admission.totals()[0] if ctx.config.enable_server_load_tracking else 0
+    return json_response({"server_load": server_load})
+
+
+async def metrics(ctx: ServingContext, request: Request) -> Response:
+    return Response(ctx.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+
+async def invocations(ctx: ServingContext, request: Request) -> Response:
+    """SageMaker's entry: a chat body goes to chat, a prompt body to completions."""
+    body = await request.body()
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = None
+    if isinstance(data, dict) and "messages" in data:
+        return await create_chat_completion(ctx, request)
+    if isinstance(data, dict) and "prompt" in data:
+        return await create_completion(ctx, request)
+    raise APIError(
+        "/invocations needs a chat body (with messages) or a completion body (with prompt)",
+        param="messages",
+    )
+
+
 def build_app(ctx: ServingContext) -> Starlette:
+    config = ctx.config
+
     def route(path: str, handler: Handler, methods: list[str]) -> Route:
         return Route(path, _bind(ctx, handler), methods=methods)
 
     routes = [
         route("/v1/completions", create_completion, ["POST"]),
         route("/v1/chat/completions", create_chat_completion, ["POST"]),
+        route("/invocations", invocations, ["POST"]),
+        route("/tokenize", tokenize, ["POST"]),
+        route("/detokenize", detokenize, ["POST"]),
+        route("/tokenizer_info", tokenizer_info, ["GET"]),
         route("/v1/models", list_models, ["GET"]),
         route("/health", health, ["GET"]),
         route("/live", live, ["GET"]),
+        route("/ping", ping, ["GET", "POST"]),
+        route("/load", load, ["GET"]),
         route("/version", version, ["GET"]),
         route("/server_info", server_info, ["GET"]),
+        route("/metrics", metrics, ["GET"]),
+        route("/metrics/", metrics, ["GET"]),
     ]
-    return Starlette(
+    if not config.disable_fastapi_docs:
+        document = orjson.dumps(build_openapi(VERSION))
+        routes.append(
+            Route(
+                "/openapi.json",
+                lambda request: Response(document, media_type="application/json"),
+                methods=["GET"],
+            )
+        )
+    app = Starlette(
         routes=routes,
         exception_handlers={
             APIError: handle_api_error,
@@ -120,3 +176,16 @@ def build_app(ctx: ServingContext) -> Starlette:
             Exception: handle_unexpected,
         },
     )
+    for dotted in config.middleware:
+        add_user_middleware(app, dotted)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key, root_path=config.root_path)
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.allowed_origins,
+            allow_methods=config.allowed_methods,
+            allow_headers=config.allowed_headers,
+            allow_credentials=config.allow_credentials,
+        )
+    return app

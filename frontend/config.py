@@ -44,6 +44,7 @@ class FrontendConfig:
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
     metrics_prefix: str = "zserve"
+    scheduling_policy: str = "fcfs"
     shutdown_timeout: float = 0.0
     uvicorn_log_level: str = "warning"
 
@@ -57,3 +58,4 @@ class APIServerConfig:
     input_address: str
     output_address: str
     parent_pid: int | None = None
+    admission_path: str | None = None  # the shared admission file (see admission.py)

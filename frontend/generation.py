@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import msgspec
 
@@ -22,6 +23,14 @@ from protocol.messages import (
     SamplingParams,
     now,
 )
+
+
+class GenerationObserver(Protocol):
+    """Who wants to know about a generation's progress (metrics, admission)."""
+
+    def first_token(self, choice: Choice) -> None: ...
+
+    def token_gap(self, seconds: float) -> None: ...
 
 
 @dataclass(slots=True)
@@ -55,6 +64,8 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprob_rows: list[Logprobs] = field(default_factory=list)  # non-streaming only
     first_token_time: float = 0.0
+    last_token_time: float = 0.0
+    queue_time_s: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -78,14 +89,18 @@ class Generation:
         skip_special_tokens: bool,
         priority: int = 0,
         engine_rank: int | None = None,
+        observer: GenerationObserver | None = None,
     ) -> None:
         self.client = client
+        self.observer = observer
         self.request_id = request_id
         self.priority = priority
         self.engine_rank = engine_rank
         self.event = asyncio.Event()
         self.arrival_time = now()
         self.keep_logprobs = False  # non-streaming responses collect every logprob row
+        self.done = False  # set once the serving context has recorded it
+        self.params_n = n
         self.engine: EngineState | None = None
         self.choices: list[Choice] = []
         for p, prompt_ids in enumerate(prompts):
@@ -153,7 +168,7 @@ class Generation:
         if ids:
             self.client.abort(ids)
 
-    async def deltas(self, keep_alive_s: float | None = None):
+    async def deltas(self, keep_alive_s: float | None = None, stream_interval: int = 1):
         """Yield lists of ChoiceDelta as outputs arrive, one delta per engine output;
         an empty list means `keep_alive_s` passed without output. Raises APIError on
         an engine error."""
@@ -172,7 +187,7 @@ class Generation:
                             break
             if batch:
                 pending = [c for c in pending if not c.finished]
-                yield batch
+                yield merge_deltas(batch, stream_interval) if stream_interval > 1 else batch
                 continue
             self.event.clear()
             if keep_alive_s:
@@ -192,9 +207,17 @@ class Generation:
                 500,
             )
         ids = out.new_token_ids
-        if not choice.num_generated and ids:
-            choice.first_token_time = now()
-            choice.num_cached_tokens = out.num_cached_tokens
+        if ids:
+            t = now()
+            if not choice.num_generated:
+                choice.first_token_time = t
+                choice.num_cached_tokens = out.num_cached_tokens
+                choice.queue_time_s = out.queue_time_s
+                if self.observer is not None:
+                    self.observer.first_token(choice)
+            elif self.observer is not None:
+                self.observer.token_gap(t - choice.last_token_time)
+            choice.last_token_time = t
         choice.num_generated += len(ids)
         choice.token_ids.extend(ids)
         if out.prompt_logprobs is not None:
@@ -219,6 +242,37 @@ class Generation:
             finish_reason=finish_reason,
             stop_reason=stop_reason,
         )
+
+
+def merge_deltas(batch: list[ChoiceDelta], max_tokens: int) -> list[ChoiceDelta]:
+    """--stream-interval N: consecutive deltas of one choice that arrived together go
+    out as one, up to N tokens each."""
+    merged: list[ChoiceDelta] = []
+    last: dict[int, ChoiceDelta] = {}
+    for d in batch:
+        prev = last.get(d.index)
+        if (
+            prev is not None
+            and prev.finish_reason is None
+            and (len(prev.token_ids) + len(d.token_ids) <= max_tokens)
+        ):
+            prev.text += d.text
+            prev.token_ids = prev.token_ids + d.token_ids
+            prev.finish_reason, prev.stop_reason = d.finish_reason, d.stop_reason
+            if d.logprobs is not None:
+                prev.logprobs = (
+                    d.logprobs
+                    if prev.logprobs is None
+                    else Logprobs(
+                        prev.logprobs.token_ids + d.logprobs.token_ids,
+                        prev.logprobs.logprobs + d.logprobs.logprobs,
+                        prev.logprobs.ranks + d.logprobs.ranks,
+                    )
+                )
+            continue
+        last[d.index] = d
+        merged.append(d)
+    return merged
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

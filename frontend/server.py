@@ -13,11 +13,14 @@ from multiprocessing.connection import Connection
 
 import uvicorn
 
+from frontend.admission import Admission
 from frontend.app import build_app
 from frontend.config import APIServerConfig
 from frontend.engine_client import ClientConfig, EngineClient
+from frontend.metrics import Metrics
 from frontend.renderer import Renderer
 from frontend.serving import ServingContext
+from frontend.stats_logger import log_stats_forever
 from protocol.lifecycle import die_with_parent
 from protocol.logs import setup_logging
 from protocol.sockets import is_ipv6
@@ -55,8 +58,16 @@ class APIServer:
         )
         self.report(("addresses", self.client.input_address, self.client.output_address))
         self.renderer = Renderer(fc.tokenizer_dir, fc.model_dir, fc.chat_template)
-        self.ctx = ServingContext(fc, self.client, self.renderer)
+        self.admission = Admission(
+            cfg.admission_path,
+            cfg.client_index,
+            fc.api_server_count,
+            fc.max_num_queued_reqs,
+            fc.max_num_queued_tokens,
+        )
+        self.ctx = ServingContext(fc, self.client, self.renderer, self.admission)
         self.server: uvicorn.Server | None = None
+        self.tasks: list[asyncio.Task] = []
 
     def report(self, message: tuple) -> None:
         if self.pipe is not None:
@@ -65,7 +76,12 @@ class APIServer:
     async def serve(self) -> None:
         fc = self.cfg.frontend
         await self.client.wait_for_engines(fc.engine_ready_timeout_s)
+        self.ctx.metrics = Metrics(
+            fc.metrics_prefix, self.ctx.model_name, self.client, self.client.max_model_len
+        )
         app = build_app(self.ctx)
+        if not fc.disable_log_stats and self.cfg.client_index == 0:
+            self.tasks.append(asyncio.create_task(log_stats_forever(self.client)))
         config = uvicorn.Config(
             app,
             loop="none",

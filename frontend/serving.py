@@ -16,10 +16,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from frontend import sse
+from frontend.admission import Admission
 from frontend.config import FrontendConfig
 from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.errors import APIError
-from frontend.generation import Generation
+from frontend.generation import Choice, Generation
+from frontend.metrics import Metrics
 from frontend.renderer import Renderer
 from frontend.sampling import generation_defaults
 
@@ -33,10 +35,21 @@ OFFLOAD_CHARS = 4096
 
 
 class ServingContext:
-    def __init__(self, config: FrontendConfig, client: EngineClient, renderer: Renderer) -> None:
+    """Shared state of one API server's routes; also the observer of every generation."""
+
+    def __init__(
+        self,
+        config: FrontendConfig,
+        client: EngineClient,
+        renderer: Renderer,
+        admission: Admission,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.config = config
         self.client = client
         self.renderer = renderer
+        self.admission = admission
+        self.metrics = metrics
         self.model_name = config.served_model_names[0]
         self.defaults = generation_defaults(renderer.generation_config)
         self.client_index = client.client_index
@@ -99,9 +112,16 @@ class ServingContext:
             value = request.headers.get(header)
             if value is not None:
                 try:
-                    return int(value)
+                    body_priority = int(value)
                 except ValueError:
                     raise APIError(f"{header} must be an integer, got {value!r}") from None
+                break
+        if body_priority != 0 and self.config.scheduling_policy != "priority":
+            raise APIError(
+                f"priority {body_priority} needs --scheduling-policy priority (this server "
+                f"schedules {self.config.scheduling_policy})",
+                param="priority",
+            )
         return body_priority
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -114,13 +134,57 @@ class ServingContext:
 
     # --- the generation life cycle ------------------------------------------------
 
-    def start(self, generation: Generation) -> None:
+    def preflight(self) -> None:
+        """Cheap checks before any work is done for a request."""
         if self.draining:
-            raise APIError("the server is shutting down", 503)
+            raise APIError("the server is shutting down", 503, headers={"Retry-After": "5"})
+        if self.client.dead:
+            raise APIError("no engine is alive", 503)
+
+    def start(self, generation: Generation, params_n: int) -> None:
+        """Admit and send a generation; every started generation reaches finish()."""
+        self.preflight()
+        generation.observer = self
+        choices = generation.choices
+        self.admission.admit(len(choices), sum(len(c.prompt_ids) for c in choices))
+        generation.params_n = params_n
         try:
             generation.start()
         except EngineDeadError as e:
+            self.finish(generation)
             raise APIError(f"the engine is not available: {e}", 503) from None
+        except BaseException:
+            self.finish(generation)
+            raise
+        if not self.config.disable_log_requests:
+            c = choices[0]
+            log.info(
+                "request %s: %d choice(s), %d prompt tokens, max_tokens %d, engine %d",
+                generation.request_id,
+                len(choices),
+                len(c.prompt_ids),
+                c.params.max_tokens,
+                generation.engine.rank,
+            )
+
+    def finish(self, generation: Generation) -> None:
+        """Release what start() reserved and record the request (idempotent)."""
+        if generation.done:
+            return
+        generation.done = True
+        generation.abort()
+        waiting = sum(len(c.prompt_ids) for c in generation.choices if not c.first_token_time)
+        self.admission.release(len(generation.choices), waiting)
+        if self.metrics is not None:
+            self.metrics.observe_request(generation, generation.params_n)
+
+    # GenerationObserver
+    def first_token(self, choice: Choice) -> None:
+        self.admission.prefilled(len(choice.prompt_ids))
+
+    def token_gap(self, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_gap(seconds)
 
     def response_headers(self, generation: Generation, request_id: str) -> dict[str, str]:
         headers = {
@@ -168,7 +232,7 @@ class ServingContext:
         try:
             await run_unless_disconnected(request, drain)
         finally:
-            generation.abort()
+            self.finish(generation)
 
 
 async def run_unless_disconnected(request: Request, fn: Callable[[], Awaitable[None]]) -> None:

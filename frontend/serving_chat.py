@@ -114,7 +114,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         engine_rank=ctx.engine_rank(request),
     )
     generation.keep_logprobs = not body.stream and body.logprobs
-    ctx.start(generation)
+    ctx.start(generation, body.n)
     headers = ctx.response_headers(generation, request_id)
     view = _ChatView(ctx, body, generation, f"chatcmpl-{request_id}", model)
     if body.stream:
@@ -140,6 +140,9 @@ class _ChatView:
             self.echo = message_dicts([last])[0]["content"]
         self.started: set[int] = set()
 
+    def _usage(self) -> dict:
+        return usage(self.gen, self.ctx.config.enable_prompt_tokens_details)
+
     def _chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
         chunk = {
             "id": self.id,
@@ -159,7 +162,7 @@ class _ChatView:
         continuous = include_usage and bool(opts.continuous_usage_stats)
         keep_alive = self.ctx.config.sse_keep_alive_interval or None
         top_n = body.top_logprobs or 0
-        async for batch in self.gen.deltas(keep_alive):
+        async for batch in self.gen.deltas(keep_alive, self.ctx.config.stream_interval):
             if not batch:
                 yield sse.KEEP_ALIVE
                 continue
@@ -178,7 +181,7 @@ class _ChatView:
                         "finish_reason": None,
                     }
                     out.append(
-                        sse.event(self._chunk([role], usage(self.gen) if continuous else None))
+                        sse.event(self._chunk([role], self._usage() if continuous else None))
                     )
                     text = self.echo + text
                 elif not text and not d.finish_reason:
@@ -195,13 +198,11 @@ class _ChatView:
                     choice["stop_reason"] = d.stop_reason
                 if body.return_token_ids:
                     choice["token_ids"] = d.token_ids
-                out.append(
-                    sse.event(self._chunk([choice], usage(self.gen) if continuous else None))
-                )
+                out.append(sse.event(self._chunk([choice], self._usage() if continuous else None)))
             if out:
                 yield b"".join(out)
         if include_usage:
-            yield sse.event(self._chunk([], usage(self.gen)))
+            yield sse.event(self._chunk([], self._usage()))
 
     def response(self) -> dict:
         body = self.body
@@ -237,7 +238,7 @@ class _ChatView:
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": usage(self.gen),
+            "usage": self._usage(),
             "system_fingerprint": None,
             "prompt_logprobs": prompt_logprobs(
                 self.ctx.renderer, first.prompt_ids, first.prompt_logprobs

@@ -70,7 +70,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         priority=ctx.priority(request, body.priority),
         engine_rank=ctx.engine_rank(request),
     )
-    ctx.start(generation)
+    ctx.start(generation, body.n)
     headers = ctx.response_headers(generation, request_id)
     view = _CompletionView(ctx, body, generation, f"cmpl-{request_id}", model)
     generation.keep_logprobs = not body.stream and body.logprobs is not None
@@ -109,6 +109,9 @@ class _CompletionView:
             rec.offset = len(text)
         return text
 
+    def _usage(self) -> dict:
+        return usage(self.gen, self.ctx.config.enable_prompt_tokens_details)
+
     def _chunk(self, choices: list[dict], usage_: dict | None) -> dict:
         return {
             "id": self.id,
@@ -125,7 +128,7 @@ class _CompletionView:
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts.continuous_usage_stats)
         keep_alive = self.ctx.config.sse_keep_alive_interval or None
-        async for batch in self.gen.deltas(keep_alive):
+        async for batch in self.gen.deltas(keep_alive, self.ctx.config.stream_interval):
             if not batch:
                 yield sse.KEEP_ALIVE
                 continue
@@ -155,13 +158,11 @@ class _CompletionView:
                     choice["prompt_token_ids"] = (
                         self.gen.choices[d.index].prompt_ids if first else None
                     )
-                out.append(
-                    sse.event(self._chunk([choice], usage(self.gen) if continuous else None))
-                )
+                out.append(sse.event(self._chunk([choice], self._usage() if continuous else None)))
             if out:
                 yield b"".join(out)
         if include_usage:
-            yield sse.event(self._chunk([], usage(self.gen)))
+            yield sse.event(self._chunk([], self._usage()))
 
     def response(self) -> dict:
         body = self.body
@@ -190,6 +191,6 @@ class _CompletionView:
                     "token_ids": c.token_ids if body.return_token_ids else None,
                 }
             )
-        result = self._chunk(choices, usage(self.gen))
+        result = self._chunk(choices, self._usage())
         result["system_fingerprint"] = None
         return result

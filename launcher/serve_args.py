@@ -27,6 +27,19 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def _str_list(text: str) -> list[str]:
+    text = text.strip()
+    if text.startswith("["):
+        import json
+
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {text!r} ({e})") from None
+        return [str(v) for v in value]
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -109,6 +122,100 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--model-impl", default="auto", choices=["auto", "native", "vllm", "transformers"]
+    )
+
+    g = p.add_argument_group("OpenAI API")
+    g.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="most logprobs / top_logprobs / prompt_logprobs a request may ask for",
+    )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template (a file, or the template itself) overriding the model's",
+    )
+    g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests supply their own chat_template",
+    )
+    g.add_argument(
+        "--enable-request-id-headers", action="store_true", help="echo X-Request-Id on responses"
+    )
+    g.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens",
+    )
+    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true")
+    g.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="count in-flight requests for GET /load",
+    )
+    g.add_argument("--disable-fastapi-docs", action="store_true", help="do not serve /openapi.json")
+    g.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+    g.add_argument("--disable-log-stats", action="store_true", help="no periodic engine stats line")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("ZSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $ZSERVE_API_KEY)",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        type=_str_list,
+        default=[],
+        help="CORS origins, as JSON ('[\"https://a.example\"]') or a,b (default: none)",
+    )
+    g.add_argument("--allowed-methods", type=_str_list, default=["*"])
+    g.add_argument("--allowed-headers", type=_str_list, default=["*"])
+    g.add_argument("--allow-credentials", action="store_true")
+    g.add_argument("--root-path", default="", help="path prefix when behind a proxy")
+    g.add_argument(
+        "--middleware",
+        action="append",
+        default=[],
+        help="module.path.Name of an ASGI middleware class or HTTP middleware "
+        "function (repeatable)",
+    )
+    g.add_argument("--ssl-keyfile", default=None)
+    g.add_argument("--ssl-certfile", default=None)
+    g.add_argument(
+        "--sse-keep-alive-interval",
+        type=float,
+        default=0.0,
+        help="seconds between ': keep-alive' comments while a stream waits (0: off)",
+    )
+    g.add_argument(
+        "--stream-interval",
+        type=_positive,
+        default=1,
+        help="tokens per SSE event of a stream (1: every token its own event)",
+    )
+    g.add_argument(
+        "--max-num-queued-reqs",
+        type=_positive,
+        default=None,
+        help="503 when the server already holds this many requests",
+    )
+    g.add_argument(
+        "--max-num-queued-tokens",
+        type=_positive,
+        default=None,
+        help="503 when this many prompt tokens already wait for prefill",
+    )
+    g.add_argument(
+        "--metrics-prefix",
+        default="zserve",
+        help="prefix of /metrics names (vllm: vLLM's names for its dashboards)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=0.0,
+        help="seconds in-flight requests may finish after SIGTERM (0: abort at once)",
     )
 
     g = p.add_argument_group("processes")

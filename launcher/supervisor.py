@@ -19,6 +19,7 @@ from multiprocessing.connection import wait as wait_connections
 import zmq
 
 from engine_core.config import EngineConfig
+from frontend.admission import Admission
 from frontend.config import APIServerConfig, FrontendConfig
 from launcher import procs
 from launcher.models import ModelNotFoundError, resolve_model
@@ -75,6 +76,10 @@ def engine_config(args: argparse.Namespace, model_dir: str, local_engines: int) 
 
 def frontend_config(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) -> FrontendConfig:
     names = args.served_model_name or [args.model or "zserve-default"]
+    template = args.chat_template
+    if template is not None and os.path.isfile(template):
+        with open(template) as f:
+            template = f.read()
     return FrontendConfig(
         model_dir=model_dir,
         tokenizer_dir=tokenizer_dir,
@@ -86,6 +91,32 @@ def frontend_config(args: argparse.Namespace, model_dir: str, tokenizer_dir: str
         engine_ready_timeout_s=args.engine_ready_timeout,
         log_level=args.log_level,
         uvicorn_log_level=args.uvicorn_log_level,
+        max_logprobs=args.max_logprobs,
+        chat_template=template,
+        trust_request_chat_template=args.trust_request_chat_template,
+        enable_request_id_headers=args.enable_request_id_headers,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        enable_server_load_tracking=args.enable_server_load_tracking,
+        disable_fastapi_docs=args.disable_fastapi_docs,
+        disable_log_requests=args.disable_log_requests,
+        disable_log_stats=args.disable_log_stats,
+        api_key=args.api_key,
+        allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
+        root_path=args.root_path,
+        middleware=args.middleware,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        sse_keep_alive_interval=args.sse_keep_alive_interval,
+        stream_interval=args.stream_interval,
+        max_num_queued_reqs=args.max_num_queued_reqs,
+        max_num_queued_tokens=args.max_num_queued_tokens,
+        metrics_prefix=args.metrics_prefix,
+        scheduling_policy=args.scheduling_policy,
+        shutdown_timeout=args.shutdown_timeout,
     )
 
 
@@ -215,6 +246,12 @@ class Supervisor:
 
     def start_api_servers(self) -> None:
         fc = frontend_config(self.args, self.model_dir, self.tokenizer_dir)
+        # prometheus_client's multiprocess mode reads this when the children import it.
+        metrics_dir = os.path.join(self.runtime_dir, "metrics")
+        os.makedirs(metrics_dir)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        self.admission_path = os.path.join(self.runtime_dir, "admission")
+        Admission.create_file(self.admission_path, self.args.api_server_count)
         for index in range(self.args.api_server_count):
             parent_end, child_end = self.ctx.Pipe()
             cfg = APIServerConfig(
@@ -223,6 +260,7 @@ class Supervisor:
                 input_address=self.data_address(f"api{index}-in"),
                 output_address=self.data_address(f"api{index}-out"),
                 parent_pid=os.getpid(),
+                admission_path=self.admission_path,
             )
             process = self.ctx.Process(
                 target=procs.api_server_main, args=(cfg, child_end), name=f"api{index}"

@@ -114,6 +114,7 @@ class EngineCoreOutput(_Wire):
     prompt_logprobs: Logprobs | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    queue_time_s: float = 0.0  # on a request's first output: seconds it waited to be scheduled
 
     @property
     def finished(self) -> bool:

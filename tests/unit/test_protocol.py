@@ -88,18 +88,17 @@ def test_outputs_round_trip_with_stats_and_logprobs():
 
 
 def test_an_older_reader_tolerates_a_newer_trailing_field():
-    class NewerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-        request_id: str
-        new_token_ids: list[int]
-        finish_reason: int | None = None
-        stop_reason: int | str | None = None
-        new_logprobs: object = None
-        prompt_logprobs: object = None
-        num_cached_tokens: int = 0
-        error: str | None = None
-        some_future_field: str = "from the future"
-
-    data = msgspec.msgpack.encode(NewerOutput("x", [1], num_cached_tokens=4))
+    # A future EngineCoreOutput: today's fields plus one appended at the end.
+    fields = [
+        (f.name, f.type, f.default) if f.default is not msgspec.NODEFAULT else (f.name, f.type)
+        for f in msgspec.structs.fields(EngineCoreOutput)
+    ]
+    Newer = msgspec.defstruct(
+        "NewerOutput",
+        [*fields, ("some_future_field", str, "from the future")],
+        array_like=True,
+    )
+    data = msgspec.msgpack.encode(Newer("x", [1], num_cached_tokens=4, some_future_field="hi"))
     old = msgspec.msgpack.decode(data, type=EngineCoreOutput)
     assert old.request_id == "x" and old.num_cached_tokens == 4
 

@@ -1,0 +1,261 @@
+"""Prometheus metrics with vLLM's names and meanings, under `--metrics-prefix` (zserve).
+
+Request metrics are counted by the API server that served the request, in
+prometheus_client's multiprocess mode (the supervisor creates the directory and sets
+PROMETHEUS_MULTIPROC_DIR before spawning), so `/metrics` on any API server sums them
+over all of them. Engine metrics come from the latest stats every engine reported to
+*this* API server (every engine reports to every API server at least once a second),
+labelled by engine; the engine's counters are cumulative, so no API server needs to
+have seen every step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from frontend.engine_client import EngineClient
+from frontend.generation import Choice, Generation
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+_ITL = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+_REQUEST_TIME = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
+
+
+def _token_buckets(max_model_len: int) -> list[float]:
+    buckets, base = [], 1
+    while True:
+        for m in (1, 2, 5):
+            value = m * base
+            if value > max_model_len:
+                return buckets
+            buckets.append(float(value))
+        base *= 10
+
+
+class Metrics:
+    """Request metrics (counted here) and engine metrics (read from the client)."""
+
+    def __init__(self, prefix: str, model_name: str, client: EngineClient, max_model_len: int):
+        p = prefix + ":"
+        self.model_name = model_name
+        self.client = client
+        self.prefix = p
+        labels = ["model_name"]
+        self.registry = CollectorRegistry()
+        # Multiprocess mode: values live in mmap files that the collector sums.
+        multiprocess = multiprocess_dir() is not None
+        registry = None if multiprocess else self.registry
+
+        def histogram(name, doc, buckets, extra=()):
+            return Histogram(p + name, doc, [*labels, *extra], buckets=buckets, registry=registry)
+
+        tokens = _token_buckets(max_model_len)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY)
+        self.itl = histogram("inter_token_latency_seconds", "Time between tokens.", _ITL)
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Mean time per output token of a request.",
+            _ITL,
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end latency.", _REQUEST_TIME)
+        self.queue = histogram(
+            "request_queue_time_seconds", "Time waiting in the engine queue.", _REQUEST_TIME
+        )
+        self.inference = histogram(
+            "request_inference_time_seconds",
+            "Time from first scheduled to finished.",
+            _REQUEST_TIME,
+        )
+        self.prefill = histogram(
+            "request_prefill_time_seconds",
+            "Time from first scheduled to first token.",
+            _REQUEST_TIME,
+        )
+        self.decode = histogram(
+            "request_decode_time_seconds", "Time from first token to finished.", _REQUEST_TIME
+        )
+        self.prompt_tokens_hist = histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", tokens
+        )
+        self.generation_tokens_hist = histogram(
+            "request_generation_tokens", "Generated tokens per request.", tokens
+        )
+        self.max_tokens_param = histogram(
+            "request_params_max_tokens", "max_tokens per request.", tokens
+        )
+        self.n_param = histogram("request_params_n", "n per request.", [1, 2, 5, 10, 20])
+        self._itl = self.itl.labels(model_name)
+        self.prompt_tokens = Counter(
+            p + "prompt_tokens", "Prompt tokens processed.", labels, registry=registry
+        )
+        self.generation_tokens = Counter(
+            p + "generation_tokens", "Tokens generated.", labels, registry=registry
+        )
+        self.success = Counter(
+            p + "request_success",
+            "Finished requests.",
+            [*labels, "finished_reason"],
+            registry=registry,
+        )
+        if multiprocess:
+            MultiProcessCollector(self.registry)
+        self.registry.register(_EngineCollector(self))
+
+    # --- hot path: called once per output batch of a request -----------------------
+
+    def observe_gap(self, gap_s: float) -> None:
+        self._itl.observe(gap_s)
+
+    def observe_request(self, gen: Generation, params_n: int) -> None:
+        name = self.model_name
+        finished = time.time()
+        for choice in gen.choices:
+            self._observe_choice(choice, gen.arrival_time, finished)
+        self.prompt_tokens.labels(name).inc(gen.num_prompt_tokens)
+        self.n_param.labels(name).observe(params_n)
+
+    def _observe_choice(self, c: Choice, arrival: float, finished: float) -> None:
+        name = self.model_name
+        self.success.labels(name, c.finish_reason or "abort").inc()
+        self.generation_tokens.labels(name).inc(c.num_generated)
+        self.prompt_tokens_hist.labels(name).observe(len(c.prompt_ids))
+        self.generation_tokens_hist.labels(name).observe(c.num_generated)
+        self.max_tokens_param.labels(name).observe(c.params.max_tokens)
+        self.e2e.labels(name).observe(finished - arrival)
+        if c.first_token_time:
+            ttft = c.first_token_time - arrival
+            queued = min(c.queue_time_s, ttft)
+            self.ttft.labels(name).observe(ttft)
+            self.queue.labels(name).observe(queued)
+            self.prefill.labels(name).observe(ttft - queued)
+            self.inference.labels(name).observe(finished - arrival - queued)
+            self.decode.labels(name).observe(finished - c.first_token_time)
+            if c.num_generated > 1:
+                self.tpot.labels(name).observe(
+                    (finished - c.first_token_time) / (c.num_generated - 1)
+                )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Engine gauges and counters from the latest stats, one series per engine."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def collect(self):
+        p, name = self.m.prefix, self.m.model_name
+        labels = ["model_name", "engine"]
+        running = GaugeMetricFamily(
+            p + "num_requests_running", "Requests in the running batch.", labels=labels
+        )
+        waiting = GaugeMetricFamily(p + "num_requests_waiting", "Requests waiting.", labels=labels)
+        kv = GaugeMetricFamily(
+            p + "kv_cache_usage_perc", "KV cache usage (1 = full).", labels=labels
+        )
+        blocks = GaugeMetricFamily(
+            p + "num_kv_cache_total_blocks", "KV cache blocks.", labels=labels
+        )
+        queries = CounterMetricFamily(
+            p + "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            labels=labels,
+        )
+        hits = CounterMetricFamily(
+            p + "prefix_cache_hits", "Prompt tokens found in the cache.", labels=labels
+        )
+        preempt = CounterMetricFamily(p + "num_preemptions", "Preemptions.", labels=labels)
+        for engine in self.m.client.engines:
+            s = engine.stats
+            values = [name, str(engine.rank)]
+            running.add_metric(values, s.num_running)
+            waiting.add_metric(values, s.num_waiting)
+            kv.add_metric(values, s.kv_cache_usage)
+            blocks.add_metric(values, s.num_total_blocks)
+            queries.add_metric(values, s.prefix_cache_queries)
+            hits.add_metric(values, s.prefix_cache_hits)
+            preempt.add_metric(values, s.num_preemptions)
+        yield from (running, waiting, kv, blocks, queries, hits, preempt)
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR")

@@ -1,0 +1,63 @@
+"""HTTP middleware: API-key checks and user-supplied ASGI middleware."""
+
+from __future__ import annotations
+
+import hmac
+import importlib
+import inspect
+
+from starlette.applications import Starlette
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from frontend.errors import error_response
+
+# Probes and the scrape route stay open, as do CORS preflights.
+OPEN_PATHS = frozenset({"/health", "/live", "/ping", "/version", "/metrics", "/metrics/"})
+
+
+class APIKeyMiddleware:
+    """Every route needs `Authorization: Bearer <key>` except OPEN_PATHS; compared in
+    constant time so the key cannot be guessed byte by byte from response times."""
+
+    def __init__(self, app: ASGIApp, api_key: str, root_path: str = "") -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.root_path = root_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if self.root_path and path.startswith(self.root_path):
+            path = path[len(self.root_path) :] or "/"
+        if path in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                given = value
+                break
+        if not hmac.compare_digest(given, self.expected):
+            response = error_response(
+                "Unauthorized: send the API key as 'Authorization: Bearer <key>'", 401
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def add_user_middleware(app: Starlette, dotted: str) -> None:
+    """`--middleware pkg.module.Name`: a class is added as ASGI middleware, a function
+    as an HTTP middleware `(request, call_next) -> response`."""
+    module_name, _, attr = dotted.rpartition(".")
+    if not module_name:
+        raise ValueError(f"--middleware {dotted!r}: expected module.path.Name")
+    target = getattr(importlib.import_module(module_name), attr)
+    if inspect.isclass(target):
+        app.add_middleware(target)
+    elif inspect.iscoroutinefunction(target):
+        app.middleware("http")(target)
+    else:
+        raise ValueError(f"--middleware {dotted!r} is neither a class nor an async function")
