@@ -19,6 +19,7 @@ import threading
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from engine_core.process_config import EngineProcConfig
 from protocol import codec
@@ -56,6 +57,7 @@ class _Shutdown(Exception):
 
 _HEARTBEAT = object()
 _DEAD = object()
+_CLIENT_GONE = object()  # input-queue kind: an API server went away
 
 
 class EngineCoreProc:
@@ -73,6 +75,7 @@ class EngineCoreProc:
         self.engine = None
         self.ready: EngineReady | None = None
         self.stats = SchedulerStats()
+        self.owners: dict[str, int] = {}  # request id -> client index, for _CLIENT_GONE
 
     # --- start-up -----------------------------------------------------------------
 
@@ -152,27 +155,54 @@ class EngineCoreProc:
         )
 
     def announce(self) -> None:
-        """The ROUTER send-first rule: each API server learns our identity from this."""
-        payload = codec.encode(self.ready)
-        for sock in self.inputs:
-            sock.send(payload)
+        """READY to the supervisor; the API servers hear from the input thread."""
         self.handshake_socket.send(encode_handshake("ready", self.ready))
 
     # --- threads ------------------------------------------------------------------
 
     def input_thread(self) -> None:
+        """Owns the DEALER sockets. Each (re)connection to an API server gets our
+        announcement (the ROUTER send-first rule: a restarted API server must hear
+        from us before it can address us); a disconnection aborts that API server's
+        requests, whose streams died with it."""
+        announcement = codec.encode(self.ready)
         poller = zmq.Poller()
-        for sock in self.inputs:
+        monitors: dict[zmq.Socket, int] = {}
+        for index, sock in enumerate(self.inputs):
             poller.register(sock, zmq.POLLIN)
-        while not self.stop.is_set():
-            for sock, _ in poller.poll(100):
-                frames = sock.recv_multipart(copy=True)
-                try:
-                    kind, payload = codec.decode_request(frames)
-                except codec.DecodeError as e:
-                    log.warning("engine %d: dropped an undecodable request: %s", self.rank, e)
-                    continue
-                self.input_queue.put((kind, payload))
+            monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            poller.register(monitor, zmq.POLLIN)
+            monitors[monitor] = index
+            sock.send(announcement)
+        try:
+            while not self.stop.is_set():
+                for sock, _ in poller.poll(100):
+                    index = monitors.get(sock)
+                    if index is not None:
+                        self._on_connection_event(index, sock, announcement)
+                        continue
+                    frames = sock.recv_multipart(copy=True)
+                    try:
+                        kind, payload = codec.decode_request(frames)
+                    except codec.DecodeError as e:
+                        log.warning("engine %d: dropped an undecodable request: %s", self.rank, e)
+                        continue
+                    self.input_queue.put((kind, payload))
+        finally:
+            for sock in self.inputs:
+                sock.disable_monitor()
+            for monitor in monitors:
+                monitor.close(linger=0)
+
+    def _on_connection_event(self, index: int, monitor: zmq.Socket, announcement: bytes) -> None:
+        event = recv_monitor_message(monitor)["event"]
+        if event == zmq.EVENT_CONNECTED:
+            self.inputs[index].send(announcement)
+        elif event == zmq.EVENT_DISCONNECTED:
+            log.info(
+                "engine %d: API server %d disconnected; aborting its requests", self.rank, index
+            )
+            self.input_queue.put((_CLIENT_GONE, index))
 
     def output_thread(self) -> None:
         """Owns the PUSH sockets: everything bound for an API server goes through here."""
@@ -203,14 +233,34 @@ class EngineCoreProc:
 
     # --- the busy loop ------------------------------------------------------------
 
-    def handle_input(self, kind: RequestType, payload) -> None:
+    def handle_input(self, kind, payload) -> None:
         engine = self.engine
         if kind is RequestType.ADD:
             req: EngineCoreRequest = payload
-            for out in engine.add_request(req):
-                self.send(req.client_index, [out])
+            errors = engine.add_request(req)
+            if errors:
+                self.send(req.client_index, errors)
+            else:
+                self.owners[req.request_id] = req.client_index
         elif kind is RequestType.ABORT:
             engine.abort_requests(payload)
+            for rid in payload:
+                self.owners.pop(rid, None)
+        elif kind is _CLIENT_GONE:
+            # If that API server is alive after all (a dropped TCP link), its streams
+            # end with an error once the link is back instead of hanging forever.
+            gone = [rid for rid, owner in self.owners.items() if owner == payload]
+            engine.abort_requests(gone)
+            for rid in gone:
+                del self.owners[rid]
+            if gone:
+                self.send(
+                    payload,
+                    [
+                        error_output(rid, "the engine lost its link to this API server")
+                        for rid in gone
+                    ],
+                )
         else:
             self.call_utility(payload)
 
@@ -277,6 +327,9 @@ class EngineCoreProc:
                 self.stats = engine.make_stats()
                 now = time.monotonic()
                 for client_index, outs in grouped.items():
+                    for out in outs:
+                        if out.finish_reason is not None:
+                            self.owners.pop(out.request_id, None)
                     self.send(client_index, outs)
                     last_sent[client_index] = now
                     sent_to.add(client_index)

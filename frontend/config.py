@@ -17,6 +17,7 @@ class FrontendConfig:
     api_server_count: int = 1
     num_engines: int = 1
     engine_ready_timeout_s: float = 600.0
+    engine_heartbeat_timeout_s: float = 30.0
     curve: CurveKeys | None = None
     log_level: str = "INFO"
     # OpenAI surface
@@ -59,3 +60,4 @@ class APIServerConfig:
     output_address: str
     parent_pid: int | None = None
     admission_path: str | None = None  # the shared admission file (see admission.py)
+    restarts: int = 0  # how often the supervisor has restarted this API server

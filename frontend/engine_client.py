@@ -46,7 +46,7 @@ class EngineState:
     alive: bool = True
     dead_reason: str = ""
     last_seen: float = 0.0
-    stats_at_pick: int = 0  # stats updates seen; see pick_engine
+    steps_changed_at: float = 0.0  # when stats.num_steps last moved (hang detection)
 
 
 class RequestStream:
@@ -91,6 +91,7 @@ class ClientConfig:
     input_address: str  # where our ROUTER binds (engines' DEALERs connect)
     output_address: str  # where our PULL binds (engines' PUSHes connect)
     curve: CurveKeys | None = None
+    heartbeat_timeout_s: float = 30.0
 
 
 class EngineClient:
@@ -122,7 +123,7 @@ class EngineClient:
         self._utility_ids = itertools.count(1)
         self._utility_waiters: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
-        self.on_stats: Callable[[EngineState], None] | None = None
+        self.on_engine_dead: Callable[[EngineState], None] | None = None
         self.dead = False
 
     # --- start-up -----------------------------------------------------------------
@@ -139,8 +140,12 @@ class EngineClient:
                     f"{self.client_index} within {timeout_s:.0f} s"
                 )
             self._on_router_message(await self.router.recv_multipart(), pending)
+        now = time.monotonic()
+        for engine in self.engines:
+            engine.last_seen = engine.steps_changed_at = now
         self._tasks.append(asyncio.create_task(self._output_handler(), name="output-handler"))
         self._tasks.append(asyncio.create_task(self._router_reader(), name="router-reader"))
+        self._tasks.append(asyncio.create_task(self._watchdog(), name="engine-watchdog"))
 
     def _on_router_message(self, frames: list[bytes], pending: set[int] | None = None) -> None:
         """An engine's (re)announcement on our ROUTER."""
@@ -266,11 +271,13 @@ class EngineClient:
             except (*codec.DecodeError, IndexError) as e:
                 log.warning("dropped an undecodable output message: %s", e)
                 continue
-            engine.last_seen = time.monotonic()
-            if outs.scheduler_stats is not None:
-                engine.stats = outs.scheduler_stats
-                if self.on_stats is not None:
-                    self.on_stats(engine)
+            now = time.monotonic()
+            engine.last_seen = now
+            stats = outs.scheduler_stats
+            if stats is not None:
+                if stats.num_steps != engine.stats.num_steps:
+                    engine.steps_changed_at = now
+                engine.stats = stats
             for out in outs.outputs:
                 stream = requests.get(out.request_id)
                 if stream is None:
@@ -298,6 +305,33 @@ class EngineClient:
                 return
         log.warning("dropped a %d-frame message on the output socket", len(frames))
 
+    async def _watchdog(self) -> None:
+        """An engine is dead when it falls silent (every engine sends a heartbeat each
+        second) or hangs: alive, with work, but its step counter stuck."""
+        timeout = self.config.heartbeat_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            now = time.monotonic()
+            for engine in self.engines:
+                if not engine.alive:
+                    continue
+                silent = now - engine.last_seen
+                s = engine.stats
+                busy = s.num_running or s.num_waiting or engine.in_flight
+                if not busy:
+                    engine.steps_changed_at = now  # an idle engine is never stuck
+                if silent > timeout:
+                    self.mark_dead(
+                        engine,
+                        f"no message for {silent:.1f} s (--engine-heartbeat-timeout {timeout:g})",
+                    )
+                elif busy and now - engine.steps_changed_at > timeout:
+                    self.mark_dead(
+                        engine,
+                        f"hung: no engine step for {now - engine.steps_changed_at:.1f} s while it "
+                        f"has work (--engine-heartbeat-timeout {timeout:g})",
+                    )
+
     def mark_dead(self, engine: EngineState, reason: str) -> None:
         if not engine.alive:
             return
@@ -313,6 +347,16 @@ class EngineClient:
         engine.in_flight = 0
         if not any(e.alive for e in self.engines):
             self.dead = True
+        if self.on_engine_dead is not None:
+            self.on_engine_dead(engine)
+
+    def fail_all(self, error: BaseException) -> int:
+        """End every in-flight request with `error` and abort it in its engine."""
+        streams = list(self.requests.values())
+        self.abort([s.request_id for s in streams])
+        for stream in streams:
+            stream.fail(error)
+        return len(streams)
 
     def close(self) -> None:
         for t in self._tasks:

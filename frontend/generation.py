@@ -178,6 +178,8 @@ class Generation:
             for choice in pending:
                 stream = choice.stream
                 if stream.error is not None and not stream.items:
+                    if isinstance(stream.error, APIError):
+                        raise stream.error
                     raise APIError(str(stream.error), 500)
                 if stream.items:
                     items, stream.items = stream.items, []

@@ -174,6 +174,11 @@ class Metrics:
             [*labels, "finished_reason"],
             registry=registry,
         )
+        self.api_server_restarts = Counter(
+            p + "api_server_restarts",
+            "API-server processes restarted by the supervisor.",
+            registry=registry,
+        )
         if multiprocess:
             MultiProcessCollector(self.registry)
         self.registry.register(_EngineCollector(self))

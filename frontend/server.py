@@ -4,6 +4,7 @@ then listen on its own SO_REUSEPORT socket and serve HTTP with uvicorn."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -17,6 +18,7 @@ from frontend.admission import Admission
 from frontend.app import build_app
 from frontend.config import APIServerConfig
 from frontend.engine_client import ClientConfig, EngineClient
+from frontend.errors import APIError
 from frontend.metrics import Metrics
 from frontend.renderer import Renderer
 from frontend.serving import ServingContext
@@ -54,8 +56,10 @@ class APIServer:
                 input_address=cfg.input_address,
                 output_address=cfg.output_address,
                 curve=fc.curve,
+                heartbeat_timeout_s=fc.engine_heartbeat_timeout_s,
             )
         )
+        self.client.on_engine_dead = self.on_engine_dead
         self.report(("addresses", self.client.input_address, self.client.output_address))
         self.renderer = Renderer(fc.tokenizer_dir, fc.model_dir, fc.chat_template)
         self.admission = Admission(
@@ -68,10 +72,30 @@ class APIServer:
         self.ctx = ServingContext(fc, self.client, self.renderer, self.admission)
         self.server: uvicorn.Server | None = None
         self.tasks: list[asyncio.Task] = []
+        self.draining: asyncio.Task | None = None
 
     def report(self, message: tuple) -> None:
         if self.pipe is not None:
-            self.pipe.send(message)
+            try:
+                self.pipe.send(message)
+            except (BrokenPipeError, OSError):
+                pass  # the supervisor is gone; PR_SET_PDEATHSIG ends us shortly
+
+    def on_engine_dead(self, engine) -> None:
+        """Tell the supervisor, which stops the server so an orchestrator restarts it."""
+        self.report(("engine_dead", engine.rank, engine.dead_reason))
+
+    def on_control_message(self) -> None:
+        """Messages from the supervisor on our pipe."""
+        try:
+            message = self.pipe.recv()
+        except (EOFError, OSError):
+            asyncio.get_running_loop().remove_reader(self.pipe.fileno())
+            return
+        if message[0] == "engine_dead":
+            _, rank, reason = message
+            if 0 <= rank < len(self.client.engines):
+                self.client.mark_dead(self.client.engines[rank], reason)
 
     async def serve(self) -> None:
         fc = self.cfg.frontend
@@ -95,9 +119,11 @@ class APIServer:
             ssl_keyfile=fc.ssl_keyfile,
             ssl_certfile=fc.ssl_certfile,
         )
-        self.server = uvicorn.Server(config)
-        # Our own signal handling (below) replaces uvicorn's.
-        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self.server = _Server(config)
+        if self.pipe is not None:
+            asyncio.get_running_loop().add_reader(self.pipe.fileno(), self.on_control_message)
+        if self.cfg.restarts:
+            self.ctx.metrics.api_server_restarts.inc()
         sock = listen_socket(fc.host, fc.port)
         gc.collect()
         gc.freeze()  # start-up objects never need scanning again
@@ -110,9 +136,44 @@ class APIServer:
             self.client.close()
 
     def shutdown(self) -> None:
-        self.ctx.draining = True
+        if self.draining is None:
+            self.draining = asyncio.get_running_loop().create_task(self.drain())
+
+    async def drain(self) -> None:
+        """SIGTERM: readiness and new requests answer 503 at once; in-flight requests
+        get up to --shutdown-timeout seconds, then end with an error event."""
+        ctx, timeout = self.ctx, self.cfg.frontend.shutdown_timeout
+        ctx.draining = True
+        log.info(
+            "draining: %d request(s) in flight, up to %g s (--shutdown-timeout)",
+            len(ctx.active),
+            timeout,
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while ctx.active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if ctx.active:
+            n = self.client.fail_all(
+                APIError(
+                    f"the server is shutting down: request aborted after the "
+                    f"{timeout:g} s drain (--shutdown-timeout)",
+                    503,
+                )
+            )
+            log.info("drain over: aborted %d request(s)", n)
+            end = loop.time() + 2.0  # let their error events reach the clients
+            while ctx.active and loop.time() < end:
+                await asyncio.sleep(0.02)
         if self.server is not None:
             self.server.should_exit = True
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: SIGTERM means drain (APIServer.drain)."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
 
 
 def run_api_server(cfg: APIServerConfig, pipe: Connection | None = None) -> None:

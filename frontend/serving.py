@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
+from urllib.parse import quote
 
 import orjson
 from pydantic import BaseModel, ValidationError
@@ -22,6 +24,7 @@ from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.errors import APIError
 from frontend.generation import Choice, Generation
 from frontend.metrics import Metrics
+from frontend.openai_models import INT64_MAX, INT64_MIN
 from frontend.renderer import Renderer
 from frontend.sampling import generation_defaults
 
@@ -54,16 +57,28 @@ class ServingContext:
         self.defaults = generation_defaults(renderer.generation_config)
         self.client_index = client.client_index
         self.pid = os.getpid()
-        self.in_flight = 0
+        self.in_flight = 0  # HTTP requests being handled, any route
+        self.active: set[Generation] = set()  # started and not yet finished
         self.draining = False
 
     @property
     def max_model_len(self) -> int:
         return self.client.max_model_len
 
+    @property
+    def max_request_tokens(self) -> int:
+        """Prompt + max_tokens that one request may need: the context length, or less
+        when an engine's KV cache is smaller (the last sampled token needs no KV)."""
+        limit = self.max_model_len
+        for e in self.client.engines:
+            if e.ready is not None:
+                limit = min(limit, (e.ready.num_kv_blocks - 1) * e.ready.block_size + 1)
+        return limit
+
     # --- request parsing ----------------------------------------------------------
 
-    async def parse(self, request: Request, model: type[M]) -> M:
+    async def json_body(self, request: Request) -> dict:
+        """The request body as a JSON object, or a 4xx saying what is wrong with it."""
         content_type = request.headers.get("content-type", "")
         if content_type and "json" not in content_type.split(";")[0]:
             raise APIError(
@@ -77,6 +92,10 @@ class ServingContext:
             raise APIError(f"the request body is not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise APIError("the request body must be a JSON object")
+        return data
+
+    async def parse(self, request: Request, model: type[M]) -> M:
+        data = await self.json_body(request)
         try:
             return model.model_validate(data)
         except ValidationError as e:
@@ -114,7 +133,12 @@ class ServingContext:
                 try:
                     body_priority = int(value)
                 except ValueError:
-                    raise APIError(f"{header} must be an integer, got {value!r}") from None
+                    body_priority = None
+                if body_priority is None or not INT64_MIN <= body_priority <= INT64_MAX:
+                    raise APIError(
+                        f"{header} must be an integer in [{INT64_MIN}, {INT64_MAX}], got {value!r}",
+                        param=header,
+                    )
                 break
         if body_priority != 0 and self.config.scheduling_policy != "priority":
             raise APIError(
@@ -148,6 +172,7 @@ class ServingContext:
         choices = generation.choices
         self.admission.admit(len(choices), sum(len(c.prompt_ids) for c in choices))
         generation.params_n = params_n
+        self.active.add(generation)
         try:
             generation.start()
         except EngineDeadError as e:
@@ -172,6 +197,7 @@ class ServingContext:
         if generation.done:
             return
         generation.done = True
+        self.active.discard(generation)
         generation.abort()
         waiting = sum(len(c.prompt_ids) for c in generation.choices if not c.first_token_time)
         self.admission.release(len(generation.choices), waiting)
@@ -192,7 +218,7 @@ class ServingContext:
             "x-api-server": str(self.client_index),
         }
         if self.config.enable_request_id_headers:
-            headers["x-request-id"] = request_id
+            headers["x-request-id"] = header_safe(request_id)
         return headers
 
     def stream(
@@ -216,7 +242,7 @@ class ServingContext:
                 log.exception("request %s failed mid-stream", generation.request_id)
                 yield sse.event(APIError(f"internal server error ({type(e).__name__})", 500).body())
             finally:
-                generation.abort()
+                self.finish(generation)
             yield sse.DONE
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
@@ -267,7 +293,9 @@ def validation_error(e: ValidationError) -> APIError:
     """The first pydantic error as a 400 naming the field (model-level validators
     name theirs as the first word of the message: "field: ...")."""
     err = e.errors()[0]
-    loc = ".".join(str(p) for p in err.get("loc", ()))
+    # Union members tag the path with their type ("prompt.list[int].0"): not a field.
+    path = [p for p in err.get("loc", ()) if not (isinstance(p, str) and _TYPE_TAG.search(p))]
+    loc = ".".join(str(p) for p in path)
     msg = err.get("msg", "invalid value")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
@@ -276,6 +304,16 @@ def validation_error(e: ValidationError) -> APIError:
         return APIError(f"{msg} (type={err.get('type')})", 400, param=loc)
     detail = f"{loc}: {msg}" if loc else msg
     return APIError(f"{detail} (type={err.get('type')})", 400, param=loc or None)
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*)$")
+
+
+def header_safe(value: str) -> str:
+    """A client-chosen id as an HTTP header value: printable ASCII only."""
+    if value.isascii() and value.isprintable():
+        return value
+    return quote(value, safe="")
 
 
 def json_response(payload: dict, headers: dict[str, str] | None = None) -> Response:

@@ -239,7 +239,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--engine-ready-timeout",
         type=float,
         default=600.0,
-        help="seconds to wait for every engine's READY",
+        help="seconds to wait for every engine's READY (and, on a worker, for the head "
+        "and its keys)",
+    )
+    g.add_argument(
+        "--engine-heartbeat-timeout",
+        type=float,
+        default=30.0,
+        help="an engine silent this long, or with work but not stepping this long, is "
+        "declared dead (the server then exits non-zero)",
+    )
+    g.add_argument(
+        "--engine-keys",
+        default=None,
+        help="folder with the CURVE keys that secure engine links over TCP; the head creates "
+        "them if missing, workers need a copy (default: $XDG_CONFIG_HOME/zserve/engine-keys)",
     )
     g.add_argument("--log-level", default="INFO")
 

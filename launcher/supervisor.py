@@ -8,6 +8,7 @@ import argparse
 import logging
 import multiprocessing as mp
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -32,9 +33,17 @@ from protocol.handshake import (
     decode_handshake,
     encode_handshake,
 )
+from protocol.keys import EngineKeysError, engine_keys, start_authenticator
 from protocol.logs import setup_logging
 from protocol.messages import PROTOCOL_VERSION
-from protocol.sockets import bind, identity_rank, ipc_address, make_socket, tcp_address
+from protocol.sockets import (
+    bind,
+    identity_rank,
+    ipc_address,
+    make_socket,
+    needs_curve,
+    tcp_address,
+)
 
 log = logging.getLogger("zserve.supervisor")
 
@@ -89,6 +98,7 @@ def frontend_config(args: argparse.Namespace, model_dir: str, tokenizer_dir: str
         api_server_count=args.api_server_count,
         num_engines=args.data_parallel_size,
         engine_ready_timeout_s=args.engine_ready_timeout,
+        engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
         log_level=args.log_level,
         uvicorn_log_level=args.uvicorn_log_level,
         max_logprobs=args.max_logprobs,
@@ -175,13 +185,26 @@ class Supervisor:
         self.stop_signal: int | None = None
         self.holder = None
         self.handshake = None
+        self.keys = None
+        self.auth = None
+        self.failure: tuple[int, str] | None = None
+        self.restarts: list[float] = []
 
     # --- the whole life -----------------------------------------------------------
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        raise_open_files_limit()
         try:
+            if not self.all_local:
+                self.keys = engine_keys(
+                    self.args.engine_keys,
+                    create=not self.headless,
+                    wait_s=self.args.engine_ready_timeout if self.headless else 0.0,
+                )
+                if not self.headless:
+                    self.auth = start_authenticator(self.zmq, self.keys)
             if self.headless:
                 self.start_engines(self.args.data_parallel_address)
                 log.info(
@@ -207,7 +230,7 @@ class Supervisor:
                 self.args.data_parallel_size,
             )
             return self.monitor()
-        except PortBusyError as e:
+        except (PortBusyError, EngineKeysError) as e:
             log.error("%s", e)
             return 1
         except (StartupError, ProtocolVersionError, TimeoutError) as e:
@@ -237,8 +260,13 @@ class Supervisor:
         return tcp_address(self.args.data_parallel_address, 0)
 
     def bind_handshake(self) -> None:
-        self.handshake = make_socket(self.zmq, zmq.ROUTER)
         address = self.handshake_address()
+        self.handshake = make_socket(
+            self.zmq,
+            zmq.ROUTER,
+            curve=self.keys if needs_curve(address) else None,
+            curve_server=True,
+        )
         try:
             bind(self.handshake, address)
         except zmq.ZMQError as e:
@@ -246,6 +274,7 @@ class Supervisor:
 
     def start_api_servers(self) -> None:
         fc = frontend_config(self.args, self.model_dir, self.tokenizer_dir)
+        fc.curve = self.keys
         # prometheus_client's multiprocess mode reads this when the children import it.
         metrics_dir = os.path.join(self.runtime_dir, "metrics")
         os.makedirs(metrics_dir)
@@ -253,7 +282,6 @@ class Supervisor:
         self.admission_path = os.path.join(self.runtime_dir, "admission")
         Admission.create_file(self.admission_path, self.args.api_server_count)
         for index in range(self.args.api_server_count):
-            parent_end, child_end = self.ctx.Pipe()
             cfg = APIServerConfig(
                 frontend=fc,
                 client_index=index,
@@ -262,15 +290,22 @@ class Supervisor:
                 parent_pid=os.getpid(),
                 admission_path=self.admission_path,
             )
-            process = self.ctx.Process(
-                target=procs.api_server_main, args=(cfg, child_end), name=f"api{index}"
-            )
-            process.start()
-            child_end.close()
-            self.api_servers.append(Child(f"API server {index}", process, parent_end))
+            self.api_servers.append(self._spawn_api_server(cfg))
         for child in self.api_servers:
             message = self._receive(child, "addresses", timeout_s=120)
             child.info["input"], child.info["output"] = message[1], message[2]
+            # A restarted API server binds exactly these endpoints again.
+            child.info["config"].input_address = message[1]
+            child.info["config"].output_address = message[2]
+
+    def _spawn_api_server(self, cfg: APIServerConfig) -> Child:
+        parent_end, child_end = self.ctx.Pipe()
+        process = self.ctx.Process(
+            target=procs.api_server_main, args=(cfg, child_end), name=f"api{cfg.client_index}"
+        )
+        process.start()
+        child_end.close()
+        return Child(f"API server {cfg.client_index}", process, parent_end, {"config": cfg})
 
     def start_engines(self, head_address: str | None) -> None:
         ec = engine_config(self.args, self.model_dir, self.num_local)
@@ -285,11 +320,12 @@ class Supervisor:
                 ready_timeout_s=self.args.engine_ready_timeout,
                 log_level=self.args.log_level,
                 parent_pid=os.getpid(),
+                curve=self.keys,
             )
             cfg.engine.data_parallel_rank = rank
             process = self.ctx.Process(target=procs.engine_main, args=(cfg,), name=f"engine{rank}")
             process.start()
-            self.engines.append(Child(f"engine {rank}", process))
+            self.engines.append(Child(f"engine {rank}", process, info={"rank": rank}))
 
     def run_handshake(self) -> None:
         """HELLO → PLAN for every rank, then wait for every READY."""
@@ -385,38 +421,116 @@ class Supervisor:
                 )
 
     def monitor(self) -> int:
-        """Block until a child dies (→ exit 1) or a signal arrives (→ 0)."""
-        children = self.api_servers + self.engines
-        sentinels = {c.process.sentinel: c for c in children}
+        """Watch every child until a signal (→ 0) or a failure (→ 1).
+
+        An API server that dies is restarted on the same port with the same index
+        and endpoints. An engine that dies (seen here, or reported by an API server
+        for engines on other nodes) fails the server: the API servers first end its
+        requests with errors and answer /health 503, then everything stops, so an
+        orchestrator restarts the whole server.
+        """
         while True:
-            ready = wait_connections(list(sentinels), timeout=1.0)
-            for sentinel in ready:
-                child = sentinels[sentinel]
-                child.process.join(0)
-                log.error(
-                    "%s (pid %d) died with exit code %s; stopping the server",
-                    child.name,
-                    child.process.pid,
-                    _describe(child.process.exitcode),
-                )
-                return 1
+            waitables = {c.process.sentinel: c for c in self.api_servers + self.engines}
+            waitables.update({c.pipe: c for c in self.api_servers if c.pipe is not None})
+            for ready in wait_connections(list(waitables), timeout=1.0):
+                child = waitables[ready]
+                if ready is child.pipe:
+                    self._on_api_message(child)
+                elif child in self.engines:
+                    child.process.join(0)
+                    return self._engine_failed(
+                        child.info.get("rank", -1),
+                        f"{child.name} (pid {child.process.pid}) died with exit code "
+                        f"{_describe(child.process.exitcode)}",
+                    )
+                else:
+                    self._restart_api_server(child)
+            if self.failure is not None:
+                return self._engine_failed(*self.failure)
+
+    def _on_api_message(self, child: Child) -> None:
+        try:
+            message = child.pipe.recv()
+        except (EOFError, OSError):
+            child.pipe.close()
+            child.pipe = None  # its death shows on the sentinel
+            return
+        if message[0] == "engine_dead" and self.failure is None:
+            self.failure = (message[1], f"engine {message[1]}: {message[2]}")
+
+    def _engine_failed(self, rank: int, reason: str) -> int:
+        log.error("%s; failing the server", reason)
+        for child in self.api_servers:
+            if child.pipe is not None and rank >= 0:
+                try:
+                    child.pipe.send(("engine_dead", rank, reason))
+                except OSError:
+                    pass
+        time.sleep(ENGINE_DEATH_GRACE_S)
+        return 1
+
+    def _restart_api_server(self, child: Child) -> None:
+        child.process.join(0)
+        index = self.api_servers.index(child)
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < 60] + [now]
+        log.error(
+            "%s (pid %d) died with exit code %s; restarting it (same port, index, endpoints)",
+            child.name,
+            child.process.pid,
+            _describe(child.process.exitcode),
+        )
+        if len(self.restarts) > MAX_RESTARTS_PER_MINUTE:
+            raise StartupError(
+                f"API servers died {len(self.restarts)} times in a minute; giving up"
+            )
+        if child.pipe is not None:
+            child.pipe.close()
+        cfg = child.info["config"]
+        cfg.restarts += 1
+        new = self._spawn_api_server(cfg)
+        self.api_servers[index] = new
+        self._receive(new, "addresses", timeout_s=120)
+        self._receive(new, "serving", timeout_s=self.args.engine_ready_timeout)
+        log.info("%s is back (pid %d)", new.name, new.process.pid)
 
     # --- shutdown -----------------------------------------------------------------
 
     def shutdown(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _stop_all([c.process for c in self.api_servers], grace_s=10.0)
+        drain = self.args.shutdown_timeout if self.stop_signal is not None else 0.0
+        _stop_all([c.process for c in self.api_servers], grace_s=drain + 10.0)
         _stop_all([c.process for c in self.engines], grace_s=10.0)
         for child in self.api_servers:
             if child.pipe is not None:
                 child.pipe.close()
         if self.handshake is not None:
             self.handshake.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
         self.zmq.destroy(linger=0)
         if self.holder is not None:
             self.holder.close()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+# After an engine dies: time for the API servers to send error events and answer
+# /health 503 before the server exits.
+ENGINE_DEATH_GRACE_S = 2.0
+MAX_RESTARTS_PER_MINUTE = 5
+
+
+def raise_open_files_limit() -> None:
+    """Thousands of streams need thousands of sockets: soft limit up to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > 1_048_576:
+        hard = 1_048_576
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-files limit from %d: %s", soft, e)
 
 
 class _Stop(Exception):

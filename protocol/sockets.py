@@ -15,13 +15,7 @@ import zmq
 
 @dataclass(frozen=True)
 class CurveKeys:
-    """This node's CURVE key pair and the server key it trusts (Z85 bytes).
-
-    Every zserve node of one deployment uses the same keys (`--engine-keys DIR`):
-    the binding side is the CURVE server, the connecting side a client that knows
-    the server's public key. A peer without the secret cannot complete the
-    handshake, so ZMQ itself refuses it before any byte reaches zserve.
-    """
+    """The deployment's CURVE key pair (Z85 bytes), shared by every node; see keys.py."""
 
     public: bytes
     secret: bytes
@@ -71,10 +65,11 @@ def make_socket(
             sock.curve_secretkey = curve.secret
             sock.curve_publickey = curve.public
         else:
-            client_public, client_secret = zmq.curve_keypair()
+            # Clients present the deployment's own pair; the server's ZAP handler
+            # admits that public key only (protocol/keys.py).
             sock.curve_serverkey = curve.public
-            sock.curve_publickey = client_public
-            sock.curve_secretkey = client_secret
+            sock.curve_publickey = curve.public
+            sock.curve_secretkey = curve.secret
     return sock
 
 

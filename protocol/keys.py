@@ -1,0 +1,97 @@
+"""CURVE keys of one zserve deployment, and the ZAP check that enforces them.
+
+Every node holds the same key pair in `--engine-keys DIR` (default
+`$XDG_CONFIG_HOME/zserve/engine-keys`): the head generates it on first use, workers
+are given a copy. Binding sockets are CURVE servers; connecting sockets present the
+same pair as clients, and a ZAP handler on every binding side admits only that
+public key. A peer without the secret key therefore cannot complete the CURVE
+handshake: ZMQ drops it before one byte reaches zserve.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import zmq
+import zmq.auth
+
+from protocol.sockets import CurveKeys
+
+KEY_NAME = "zserve-engine"
+
+
+class EngineKeysError(RuntimeError):
+    pass
+
+
+def default_keys_dir() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
+    return Path(base) / "zserve" / "engine-keys"
+
+
+def _secret_file(directory: Path) -> Path:
+    return directory / f"{KEY_NAME}.key_secret"
+
+
+def create_keys(directory: Path) -> CurveKeys:
+    """Generate the deployment's key pair (readable by this user only)."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = directory / f".tmp-{os.getpid()}"
+    tmp.mkdir(mode=0o700)
+    try:
+        zmq.auth.create_certificates(tmp, KEY_NAME)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o600)
+            if not (directory / f.name).exists():
+                os.replace(f, directory / f.name)
+    finally:
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+    return load_keys(directory)
+
+
+def load_keys(directory: Path) -> CurveKeys:
+    public, secret = zmq.auth.load_certificate(_secret_file(directory))
+    if secret is None:
+        raise EngineKeysError(f"{_secret_file(directory)} holds no secret key")
+    return CurveKeys(public=public, secret=secret)
+
+
+def engine_keys(directory: Path | None, *, create: bool, wait_s: float = 0.0) -> CurveKeys:
+    """The head creates the keys if they are missing; a worker waits up to `wait_s`
+    for them to appear (e.g. while they are being copied), then fails clearly."""
+    directory = Path(directory) if directory else default_keys_dir()
+    deadline = time.monotonic() + wait_s
+    while not _secret_file(directory).is_file():
+        if create:
+            return create_keys(directory)
+        if time.monotonic() >= deadline:
+            raise EngineKeysError(
+                f"no engine keys in {directory}: engines on other nodes need the head's "
+                f"keys; copy the head's --engine-keys folder here (or pass --engine-keys DIR)"
+            )
+        time.sleep(0.5)
+    return load_keys(directory)
+
+
+def start_authenticator(ctx: zmq.Context, keys: CurveKeys, asyncio: bool = False):
+    """Admit CURVE clients that present the deployment's public key, and no one else."""
+    if asyncio:
+        from zmq.auth.asyncio import AsyncioAuthenticator as Auth
+    else:
+        from zmq.auth.thread import ThreadAuthenticator as Auth
+    auth = Auth(ctx)
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=_OnlyOurKey(keys.public))
+    return auth
+
+
+class _OnlyOurKey:
+    def __init__(self, public: bytes) -> None:
+        self.public = public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.public  # pyzmq hands the client's key z85-encoded
