@@ -18,7 +18,7 @@ BENCHMARKS = {
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="benchmarks and load generators")
     sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
-    for name, module in BENCHMARKS.items():
+    for module in BENCHMARKS.values():
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

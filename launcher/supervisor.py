@@ -179,7 +179,7 @@ class Supervisor:
         self.all_local = local == args.data_parallel_size and not args.headless
         self.ctx = mp.get_context("spawn")
         self.zmq = zmq.Context()
-        self.runtime_dir = tempfile.mkdtemp(prefix="zserve-")
+        self.runtime_dir = tempfile.mkdtemp(prefix=f"zserve-{os.getpid()}-")
         self.api_servers: list[Child] = []
         self.engines: list[Child] = []
         self.stop_signal: int | None = None

@@ -1,0 +1,207 @@
+"""Honest health and failure, graceful drain, no orphans (issue 5, items 6, 7, 8)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from zserve_proc import ZServe, group_pids, port_is_free, server_info
+
+pytestmark = pytest.mark.timeout(180)
+
+MODEL = "tiny"
+SMALL_KV = ("--kv-cache-memory-bytes", "64MiB", "--disable-log-requests")
+
+
+class StreamReader(threading.Thread):
+    """Reads one SSE stream to its end, keeping every data line."""
+
+    def __init__(self, base_url: str, max_tokens: int = 3000, headers=None) -> None:
+        super().__init__(daemon=True)
+        self.base_url = base_url
+        self.max_tokens = max_tokens
+        self.headers = headers
+        self.lines: list[str] = []
+        self.status: int | None = None
+        self.started = threading.Event()
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            with httpx.stream(
+                "POST",
+                self.base_url + "/v1/completions",
+                timeout=60,
+                headers=self.headers,
+                json={
+                    "model": MODEL,
+                    "prompt": "go",
+                    "max_tokens": self.max_tokens,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            ) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line:
+                        self.lines.append(line)
+                        self.started.set()
+        except Exception as e:
+            self.error = e
+        finally:
+            self.started.set()
+
+
+def _wait_for(predicate, timeout: float, interval: float = 0.05) -> float:
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError("condition not met in time")
+        time.sleep(interval)
+    return time.monotonic() - t0
+
+
+def _health(base_url: str) -> int | None:
+    try:
+        return httpx.get(base_url + "/health", timeout=1).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def test_engine_death_ends_streams_with_an_error_turns_health_503_and_exits_non_zero(small_model):
+    server = ZServe(str(small_model), "--served-model-name", MODEL, *SMALL_KV)
+    with server:
+        reader = StreamReader(server.base_url)
+        reader.start()
+        assert reader.started.wait(30)
+        engine_pid = server_info(server.base_url)["engines"][0]["pid"]
+        t0 = time.monotonic()
+        os.kill(engine_pid, signal.SIGKILL)
+        elapsed = _wait_for(lambda: _health(server.base_url) == 503, timeout=5)
+        reader.join(20)
+        assert reader.lines[-1] == "data: [DONE]"
+        assert '"error"' in reader.lines[-2] and "engine 0" in reader.lines[-2]
+        server.proc.wait(30)
+        assert server.proc.returncode not in (0, None)
+        print(
+            f"engine kill -> /health 503 after {elapsed:.3f} s "
+            f"(exit after {time.monotonic() - t0:.1f} s)"
+        )
+        assert "engine 0" in server.log() and "failing the server" in server.log()
+
+
+def test_a_hung_engine_is_detected_by_its_heartbeat(small_model):
+    server = ZServe(
+        str(small_model), "--served-model-name", MODEL, *SMALL_KV, "--engine-heartbeat-timeout", "2"
+    )
+    with server:
+        reader = StreamReader(server.base_url)
+        reader.start()
+        assert reader.started.wait(30)
+        engine_pid = server_info(server.base_url)["engines"][0]["pid"]
+        os.kill(engine_pid, signal.SIGSTOP)  # alive, but neither stepping nor beating
+        try:
+            _wait_for(lambda: _health(server.base_url) == 503, timeout=10)
+            reader.join(20)
+            assert '"error"' in reader.lines[-2] and reader.lines[-1] == "data: [DONE]"
+            server.proc.wait(30)
+            assert server.proc.returncode not in (0, None)
+            assert "engine-heartbeat-timeout" in server.log()
+        finally:
+            try:
+                os.kill(engine_pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
+def test_sigterm_drains_in_flight_requests_then_aborts_the_rest(small_model):
+    server = ZServe(
+        str(small_model), "--served-model-name", MODEL, *SMALL_KV, "--shutdown-timeout", "4"
+    )
+    with server:
+        # 8 tokens finish well inside the 4 s drain; 4000 take longer on any CPU we know
+        short = StreamReader(server.base_url, max_tokens=8)
+        endless = StreamReader(server.base_url, max_tokens=4000)
+        endless.start()
+        assert endless.started.wait(30)
+        short.start()
+        assert short.started.wait(30)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        _wait_for(lambda: _health(server.base_url) == 503, timeout=3)
+        refused = httpx.post(
+            server.base_url + "/v1/completions",
+            json={"model": MODEL, "prompt": "late", "max_tokens": 2},
+        )
+        assert refused.status_code == 503
+        short.join(30)
+        endless.join(30)
+        server.proc.wait(30)
+        took = time.monotonic() - t0
+        assert server.proc.returncode == 0
+        assert short.lines[-1] == "data: [DONE]" and '"finish_reason":"length"' in short.lines[-2]
+        assert endless.lines[-1] == "data: [DONE]"
+        assert "shutting down" in endless.lines[-2] and '"error"' in endless.lines[-2]
+        assert took >= 4.0
+        print(f"drain: short request finished, long one aborted; exit 0 after {took:.1f} s")
+        assert port_is_free(server.port)
+
+
+def test_sigkill_of_the_supervisor_leaves_no_orphans(tiny_model):
+    server = ZServe(
+        str(tiny_model("llama")),
+        "--served-model-name",
+        MODEL,
+        *SMALL_KV,
+        "--api-server-count",
+        "2",
+        "--data-parallel-size",
+        "2",
+    )
+    with server:
+        pids = server.pids()
+        assert len(pids) >= 5
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(10)
+        _wait_for(lambda: not group_pids(server.proc.pid), timeout=15, interval=0.1)
+        assert port_is_free(server.port)
+
+
+def test_admission_limits_hold_for_the_whole_server(small_model):
+    server = ZServe(
+        str(small_model),
+        "--served-model-name",
+        MODEL,
+        *SMALL_KV,
+        "--api-server-count",
+        "2",
+        "--max-num-queued-reqs",
+        "3",
+    )
+    with server:
+        readers = [
+            StreamReader(server.base_url, max_tokens=3000, headers={"Connection": "close"})
+            for _ in range(3)
+        ]
+        for r in readers:
+            r.start()
+            assert r.started.wait(30)
+        servers_used = set()
+        for _ in range(10):  # whichever API server answers, the fourth request is refused
+            r = httpx.post(
+                server.base_url + "/v1/completions",
+                headers={"Connection": "close"},
+                json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+            )
+            assert r.status_code == 503, r.text
+            assert r.headers["retry-after"]
+            assert "--max-num-queued-reqs" in r.json()["error"]["message"]
+            servers_used.add(
+                server_info(server.base_url, headers={"Connection": "close"})["api_server_index"]
+            )
+        assert servers_used == {0, 1}
+        assert all(r.status == 200 for r in readers)
