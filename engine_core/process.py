@@ -24,7 +24,7 @@ from zmq.utils.monitor import recv_monitor_message
 from engine_core.process_config import EngineProcConfig
 from protocol import codec
 from protocol.handshake import EngineHello, EnginePlan, decode_handshake, encode_handshake
-from protocol.lifecycle import die_with_parent
+from protocol.lifecycle import die_with_parent, name_process
 from protocol.logs import setup_logging
 from protocol.messages import (
     ENGINE_CORE_DEAD,
@@ -401,6 +401,7 @@ def run_engine_core(cfg: EngineProcConfig) -> int:
     """Process entry point of one engine core (spawned by the supervisor or headless)."""
     setup_logging(f"engine{cfg.rank}", cfg.log_level)
     die_with_parent(cfg.parent_pid)
+    name_process(f"zserve-engine{cfg.rank}")
     proc = EngineCoreProc(cfg)
 
     def on_signal(signum, frame):

@@ -23,7 +23,7 @@ from frontend.metrics import Metrics
 from frontend.renderer import Renderer
 from frontend.serving import ServingContext
 from frontend.stats_logger import log_stats_forever
-from protocol.lifecycle import die_with_parent
+from protocol.lifecycle import die_with_parent, name_process
 from protocol.logs import setup_logging
 from protocol.sockets import is_ipv6
 
@@ -180,6 +180,7 @@ def run_api_server(cfg: APIServerConfig, pipe: Connection | None = None) -> None
     """Process entry point of one API server."""
     setup_logging(f"api{cfg.client_index}", cfg.frontend.log_level)
     die_with_parent(cfg.parent_pid)
+    name_process(f"zserve-api{cfg.client_index}")
     import uvloop
 
     uvloop.install()

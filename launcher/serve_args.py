@@ -40,6 +40,36 @@ def _str_list(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _max_logprobs(text: str) -> int:
+    from engine_core.validation import MAX_LOGPROBS  # no torch behind it
+
+    value = int(text)
+    if not 0 <= value <= MAX_LOGPROBS:
+        # A larger limit would let requests past the API that the engine then refuses.
+        raise argparse.ArgumentTypeError(
+            f"must be in 0..{MAX_LOGPROBS} (the most the engine returns), got {value}"
+        )
+    return value
+
+
+_METRIC_PREFIX = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+def _metrics_prefix(text: str) -> str:
+    if not _METRIC_PREFIX.match(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} cannot start a Prometheus metric name (letters, digits, _)"
+        )
+    return text
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -118,7 +148,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--cpu-threads",
         type=_positive,
         default=None,
-        help="torch threads per engine (default: usable cores / local engines)",
+        help="torch threads per engine (default: the usable cores minus one per local API "
+        "server, shared by the local engines; at least 1)",
     )
     g.add_argument(
         "--model-impl", default="auto", choices=["auto", "native", "vllm", "transformers"]
@@ -127,7 +158,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("OpenAI API")
     g.add_argument(
         "--max-logprobs",
-        type=int,
+        type=_max_logprobs,
         default=20,
         help="most logprobs / top_logprobs / prompt_logprobs a request may ask for",
     )
@@ -184,7 +215,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--ssl-certfile", default=None)
     g.add_argument(
         "--sse-keep-alive-interval",
-        type=float,
+        type=_non_negative,
         default=0.0,
         help="seconds between ': keep-alive' comments while a stream waits (0: off)",
     )
@@ -208,6 +239,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--metrics-prefix",
+        type=_metrics_prefix,
         default="zserve",
         help="prefix of /metrics names (vllm: vLLM's names for its dashboards)",
     )

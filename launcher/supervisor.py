@@ -25,7 +25,7 @@ from frontend.config import APIServerConfig, FrontendConfig
 from launcher import procs
 from launcher.models import ModelNotFoundError, resolve_model
 from launcher.port import PortBusyError, claim_port
-from launcher.serve_args import refuse_unsupported
+from launcher.serve_args import refuse_unsupported, usable_cores
 from protocol.handshake import (
     EngineHello,
     EnginePlan,
@@ -34,6 +34,7 @@ from protocol.handshake import (
     encode_handshake,
 )
 from protocol.keys import EngineKeysError, engine_keys, start_authenticator
+from protocol.lifecycle import name_process
 from protocol.logs import setup_logging
 from protocol.messages import PROTOCOL_VERSION
 from protocol.sockets import (
@@ -62,6 +63,17 @@ class Child:
     info: dict = field(default_factory=dict)
 
 
+def engine_threads(args: argparse.Namespace, local_engines: int) -> int:
+    """Torch threads per engine: the cores left after one per local API server, shared
+    by the local engines, at least one. An engine that oversubscribes the cores its
+    own API server (and clients) need loses far more than a thread buys: its OpenMP
+    workers wait on each other at every matmul."""
+    if args.cpu_threads is not None:
+        return args.cpu_threads
+    api_servers = 0 if args.headless else (args.api_server_count or 1)
+    return max(1, (usable_cores() - api_servers) // max(local_engines, 1))
+
+
 def engine_config(args: argparse.Namespace, model_dir: str, local_engines: int) -> EngineConfig:
     return EngineConfig(
         model=model_dir,
@@ -77,7 +89,7 @@ def engine_config(args: argparse.Namespace, model_dir: str, local_engines: int) 
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
-        cpu_threads=args.cpu_threads,
+        cpu_threads=engine_threads(args, local_engines),
         model_impl="native" if args.model_impl == "vllm" else args.model_impl,
         data_parallel_size_local=max(local_engines, 1),
     )
@@ -132,6 +144,7 @@ def frontend_config(args: argparse.Namespace, model_dir: str, tokenizer_dir: str
 
 def serve(args: argparse.Namespace) -> int:
     setup_logging("supervisor", args.log_level)
+    name_process("zserve-super")
     problem = refuse_unsupported(args)
     if problem:
         log.error("%s", problem)

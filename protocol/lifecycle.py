@@ -20,3 +20,14 @@ def die_with_parent(parent_pid: int | None) -> None:
         pass
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def name_process(name: str) -> None:
+    """Show `name` (e.g. "zserve-engine0") in ps/top instead of "python3"."""
+    try:
+        import ctypes
+
+        PR_SET_NAME = 15
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,195 @@
+"""Attention over the paged KV cache, plugged into HF models through `AttentionInterface`.
+
+transformers projects q/k/v and applies rotary embeddings; this function writes the
+new K/V into the cache, then attends over each sequence's cached context.
+
+The batch is packed into one row ([1, N] tokens), single-token (decode) requests
+first. Decodes share one attention per layer: their blocks are gathered by block
+table (padded with the zeroed null block) and masked. Multi-token chunks attend
+per sequence with a bottom-right causal mask, since a chunk's queries sit at the
+end of its context.
+
+Cache layout per layer: [num_blocks, Hkv, block_size, D], so gathering a sequence's
+blocks head-major yields [Hkv, L, D] without a copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTN_IMPLEMENTATION = "zserve_paged"
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class PrefillChunk:
+    """A multi-token chunk: rows [start, end) of the packed batch."""
+
+    start: int
+    end: int
+    num_computed: int  # context already in the cache before this chunk
+    gather_index: torch.Tensor  # [Hkv * blocks] head-major rows of its context's blocks
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything one forward's attention calls need; built once per step."""
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [blocks, Hkv, bs, D]
+    write_index: torch.Tensor  # [Hkv * N] cache row (block, head, offset) of each new K/V
+    num_decodes: int
+    decode_gather_index: torch.Tensor | None  # [num_decodes * Hkv * max_blocks]
+    decode_positions: torch.Tensor | None  # [num_decodes, 1] position of each decode query
+    decode_key_positions: torch.Tensor | None  # [1, max_blocks * block_size]
+    prefills: list[PrefillChunk]
+    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _prefill_masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
+
+    def decode_excluded(self, window: int | None) -> torch.Tensor:
+        """[num_decodes, 1, 1, L] True where a key is outside the query's context or window."""
+        mask = self._decode_masks.get(window)
+        if mask is None:
+            keys, pos = self.decode_key_positions, self.decode_positions
+            mask = keys > pos
+            if window is not None:
+                mask |= keys <= pos - window
+            mask = self._decode_masks[window] = mask[:, None, None, :]
+        return mask
+
+    def prefill_mask(self, index: int, window: int | None) -> torch.Tensor:
+        """[n, context] bottom-right causal (and window) mask of chunk `index`; True = attend."""
+        key = (index, window)
+        mask = self._prefill_masks.get(key)
+        if mask is None:
+            chunk = self.prefills[index]
+            device = chunk.gather_index.device
+            n = chunk.end - chunk.start
+            q_pos = torch.arange(chunk.num_computed, chunk.num_computed + n, device=device)[:, None]
+            k_pos = torch.arange(chunk.num_computed + n, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            self._prefill_masks[key] = mask
+        return mask
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    excluded: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q [B,Hq,D], k/v [B,Hkv,L,D] → [B,Hq,D].
+
+    Grouped matmuls instead of SDPA: for one query row per sequence, CPU SDPA is
+    ~15x slower than two batched matmuls with the query heads of a KV head stacked.
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scaling)  # [B,Hkv,G,L]
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    scores.masked_fill_(excluded, _NEG_INF)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).view(batch, num_heads, head_dim)
+
+
+def _chunk_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q [1,Hq,T,D], k/v [1,Hkv,S,D] → [1,Hq,T,D]; mask None means plain causal (S == T)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True
+        )
+    # SDPA has no softcap: tanh-capped scores by hand, softmax in fp32.
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scaling)
+    scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    if mask is None:
+        t, s = scores.shape[-2:]
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+    scores.masked_fill_(~mask, _NEG_INF)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    attn_meta: AttentionMetadata | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """HF attention signature: q [1,Hq,N,D], k/v [1,Hkv,N,D] → ([1,N,Hq,D], None)."""
+    if attn_meta is None:
+        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention needs attn_meta from the engine")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention sinks are not supported")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    k_cache, v_cache = attn_meta.kv_caches[module.layer_idx]
+    _, num_kv_heads, block_size, head_dim = k_cache.shape
+    k_rows = k_cache.view(-1, head_dim)  # one row per (block, head, offset)
+    v_rows = v_cache.view(-1, head_dim)
+    k_rows.index_copy_(0, attn_meta.write_index, key[0].reshape(-1, head_dim))
+    v_rows.index_copy_(0, attn_meta.write_index, value[0].reshape(-1, head_dim))
+    k_blocks = k_cache.view(-1, block_size, head_dim)  # one row per (block, head)
+    v_blocks = v_cache.view(-1, block_size, head_dim)
+
+    num_heads, num_tokens = query.shape[1], query.shape[2]
+    nd = attn_meta.num_decodes
+    decode_out = None
+    if nd:
+        q = query[0, :, :nd].transpose(0, 1)  # [nd, Hq, D]
+        index = attn_meta.decode_gather_index
+        k = k_blocks.index_select(0, index).view(nd, num_kv_heads, -1, head_dim)
+        v = v_blocks.index_select(0, index).view(nd, num_kv_heads, -1, head_dim)
+        excluded = attn_meta.decode_excluded(sliding_window)
+        decode_out = _decode_attention(q.contiguous(), k, v, excluded, scaling, softcap)
+        if nd == num_tokens:
+            return decode_out.view(1, nd, num_heads, head_dim), None
+
+    out = query.new_empty(1, num_tokens, num_heads, head_dim)
+    if decode_out is not None:
+        out[0, :nd] = decode_out
+    for i, chunk in enumerate(attn_meta.prefills):
+        q = query[:, :, chunk.start : chunk.end]
+        if chunk.num_computed == 0 and sliding_window is None:
+            # A fresh prompt: its own K/V is the whole context.
+            k = key[:, :, chunk.start : chunk.end]
+            v = value[:, :, chunk.start : chunk.end]
+            res = _chunk_attention(q, k, v, None, scaling, softcap)
+        else:
+            context = chunk.num_computed + chunk.end - chunk.start
+            index = chunk.gather_index
+            k = k_blocks.index_select(0, index).view(1, num_kv_heads, -1, head_dim)[:, :, :context]
+            v = v_blocks.index_select(0, index).view(1, num_kv_heads, -1, head_dim)[:, :, :context]
+            res = _chunk_attention(
+                q, k, v, attn_meta.prefill_mask(i, sliding_window), scaling, softcap
+            )
+        out[0, chunk.start : chunk.end] = res[0].transpose(0, 1)
+    return out, None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

@@ -1,0 +1,211 @@
+"""EngineCore: one synchronous step — schedule, forward, sample, update — and its outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine_core.block_manager import BlockManager
+from engine_core.config import EngineConfig
+from engine_core.logprobs import concat_logprobs, logprobs_of_positions, logprobs_per_row
+from engine_core.model_runner import ModelRunner
+from engine_core.request import Request
+from engine_core.sampler import Sampler
+from engine_core.scheduler import Scheduler, SchedulerOutput
+from engine_core.validation import validate_request
+from protocol.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _error_output(request_id: str, message: str) -> EngineCoreOutput:
+    return EngineCoreOutput(
+        request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=message
+    )
+
+
+class EngineCore:
+    """The engine's compute, driven by the process shell (or `LLM` in-process).
+
+    Not thread-safe: one thread calls every method. After __init__ the READY fields
+    are set: max_model_len, num_kv_blocks, block_size, dtype, device, vocab_size.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        info = self.runner.info
+        self.max_model_len = self.runner.max_model_len
+        self.num_kv_blocks = self.runner.num_blocks
+        self.block_size = config.block_size
+        self.dtype = str(self.runner.dtype).removeprefix("torch.")
+        self.device = str(self.runner.device)
+        self.vocab_size = info.vocab_size
+        self.eos_token_ids = info.eos_token_ids
+        self.blocks = BlockManager(
+            self.num_kv_blocks, self.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            policy=config.scheduling_policy,
+        )
+        self.sampler = Sampler(self.vocab_size, self.runner.device, config.seed)
+        self.requests: dict[str, Request] = {}
+        self.num_aborted = 0
+        self.num_steps = 0
+        self.prompt_tokens_computed = 0
+        self.generation_tokens = 0
+        self.step_time_s = 0.0
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+            info.architecture, self.device, self.dtype, self.num_kv_blocks, self.block_size,
+            self.max_model_len,
+        )  # fmt: skip
+
+    def add_request(self, request: EngineCoreRequest) -> list[EngineCoreOutput]:
+        """Queue a request; an invalid one (or one that can never fit) is answered with ERROR."""
+        try:
+            if request.request_id in self.requests:
+                raise ValueError(f"request id {request.request_id!r} is already running")
+            validate_request(request, self.vocab_size)
+            self._check_fits(request)
+            state = Request(request, self.eos_token_ids)
+        except Exception as e:  # a bad request must never take the engine down
+            logger.warning("request %s refused: %s", request.request_id, e)
+            return [_error_output(request.request_id, str(e))]
+        self.requests[request.request_id] = state
+        self.scheduler.add(state)
+        return []
+
+    def _check_fits(self, request: EngineCoreRequest) -> None:
+        prompt_len = len(request.prompt_token_ids)
+        max_tokens = request.sampling_params.max_tokens
+        total = prompt_len + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        # The last sampled token is never fed back, so its KV is never stored.
+        needed = self.blocks.blocks_needed(total - 1)
+        if needed > self.blocks.num_usable_blocks:
+            raise ValueError(
+                f"prompt + max_tokens needs {needed} KV blocks but the cache has only "
+                f"{self.blocks.num_usable_blocks}; lower max_tokens or give the KV cache more memory"
+            )
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is not None:
+                self.scheduler.finish_aborted(request)
+                self.num_aborted += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.blocks.reset_prefix_cache()
+
+    @torch.inference_mode()
+    def step(self) -> dict[int, list[EngineCoreOutput]]:
+        """One schedule → forward → sample → update; outputs grouped by client_index."""
+        if not self.scheduler.has_unfinished():
+            return {}
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan.requests:
+            return {}
+        logits = self.runner.execute(plan)
+        num_sampling = len(plan.sampling)
+        sample_logits = logits[:num_sampling]
+        wanted = [i for i, r in enumerate(plan.sampling) if r.params.logprobs is not None]
+        # Indexing copies: the raw logits survive the sampler's in-place processing.
+        raw = sample_logits[wanted] if wanted else None
+        tokens = self.sampler.sample(sample_logits, plan.sampling)
+        if wanted:
+            self._sampled_logprobs([plan.sampling[i] for i in wanted], raw, tokens[wanted])
+        if plan.prompt_logprob_rows:
+            self._prompt_logprobs(plan, logits[num_sampling:])
+        self._count_tokens(plan)
+        sampled = self.scheduler.update(plan, tokens.tolist())
+        outputs = self._outputs(sampled)
+        self.num_steps += 1
+        self.step_time_s = time.perf_counter() - start
+        return outputs
+
+    @staticmethod
+    def _sampled_logprobs(requests: list[Request], raw: torch.Tensor, tokens: torch.Tensor) -> None:
+        rows = logprobs_per_row(raw, tokens, [r.params.logprobs for r in requests])
+        for request, logprobs in zip(requests, rows):
+            request.pending_logprobs.append(logprobs)
+
+    def _prompt_logprobs(self, plan: SchedulerOutput, logits: torch.Tensor) -> None:
+        offset = 0
+        for request, first, end in plan.prompt_logprob_rows:
+            n = end - first
+            targets = torch.tensor(request.all_token_ids[first + 1 : end + 1], device=logits.device)
+            part = logprobs_of_positions(
+                logits[offset : offset + n], targets, request.params.prompt_logprobs
+            )
+            request.prompt_logprobs_parts.append(part)
+            offset += n
+
+    def _count_tokens(self, plan: SchedulerOutput) -> None:
+        for request, n in zip(plan.requests, plan.num_tokens):
+            prompt_left = request.prompt_len - request.num_computed_tokens
+            if prompt_left > 0:
+                self.prompt_tokens_computed += min(n, prompt_left)
+        self.generation_tokens += len(plan.sampling)
+
+    def _outputs(self, sampled: list[Request]) -> dict[int, list[EngineCoreOutput]]:
+        # Hot path: one small Struct per request per step.
+        grouped: dict[int, list[EngineCoreOutput]] = {}
+        for request in sampled:
+            output = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[request.all_token_ids[-1]],
+                finish_reason=request.finish_reason,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+            if request.pending_logprobs:
+                output.new_logprobs = concat_logprobs(request.pending_logprobs)
+                request.pending_logprobs = []
+            if not request.prompt_logprobs_done:
+                output.prompt_logprobs = concat_logprobs(request.prompt_logprobs_parts)
+                request.prompt_logprobs_parts = []
+                request.prompt_logprobs_done = True
+            if request.finish_reason is not None:
+                del self.requests[request.request_id]
+            grouped.setdefault(request.client_index, []).append(output)
+        return grouped
+
+    def make_stats(self) -> SchedulerStats:
+        blocks = self.blocks
+        return SchedulerStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=blocks.usage,
+            num_total_blocks=blocks.num_usable_blocks,
+            num_free_blocks=blocks.num_free_blocks,
+            prefix_cache_queries=blocks.prefix_cache_queries,
+            prefix_cache_hits=blocks.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_aborted=self.num_aborted,
+            num_steps=self.num_steps,
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            generation_tokens=self.generation_tokens,
+            step_time_s=self.step_time_s,
+        )

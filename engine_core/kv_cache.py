@@ -1,0 +1,61 @@
+"""The paged KV cache tensors and how many blocks fit in the memory we may use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def block_bytes(self) -> int:
+        """K and V of one block across every layer."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def allocate(self, num_blocks: int, device: torch.device) -> KVCache:
+        # Zeroed, not empty: masked-out slots are still multiplied by zero in attention,
+        # and 0 * NaN from never-written memory would poison the whole row.
+        shape = (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=device),
+                torch.zeros(shape, dtype=self.dtype, device=device),
+            )
+            for _ in range(self.num_layers)
+        ]
+
+
+def cpu_num_blocks(spec: KVCacheSpec, kv_cache_memory_bytes: int | None) -> int:
+    budget = kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+    return budget // spec.block_bytes
+
+
+def gpu_num_blocks(spec: KVCacheSpec, device: torch.device, utilization: float) -> int:
+    """Blocks that fit in `utilization` of the device once the weights and the
+    warm-up's activation peak (measured by the caller just before) are accounted for.
+
+    Unverified on real hardware in this repository's CI (no GPU there).
+    """
+    free, total = torch.cuda.mem_get_info(device)
+    used_by_everyone = total - free
+    activation_peak = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+    budget = int(total * utilization) - used_by_everyone - activation_peak
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} leaves no room for the KV cache "
+            f"({used_by_everyone / 2**30:.1f} GiB of {total / 2**30:.1f} GiB already in use)"
+        )
+    return budget // spec.block_bytes

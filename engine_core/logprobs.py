@@ -1,0 +1,51 @@
+"""Logprobs of chosen tokens (sampled or prompt) with their rank and the top-n.
+
+Always from the model's raw distribution (before penalties, temperature and
+truncation), as vLLM's default `raw_logprobs` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from protocol.messages import Logprobs
+
+
+def _rows(
+    logits: torch.Tensor, token_ids: torch.Tensor, max_top: int
+) -> tuple[list[list[int]], list[list[float]], list[int]]:
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist()
+    ids = token_ids[:, None]
+    lps = chosen
+    if max_top:
+        top_lp, top_ids = logprobs.topk(max_top, dim=-1)
+        ids = torch.cat([ids, top_ids], dim=1)
+        lps = torch.cat([lps, top_lp], dim=1)
+    return ids.tolist(), lps.tolist(), ranks
+
+
+def logprobs_per_row(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
+) -> list[Logprobs]:
+    """A single-position Logprobs for each row of fp32 `logits` [R, V]; row i keeps num_top[i]."""
+    ids, lps, ranks = _rows(logits, token_ids, max(num_top))
+    return [
+        Logprobs(token_ids=[ids[i][: n + 1]], logprobs=[lps[i][: n + 1]], ranks=[ranks[i]])
+        for i, n in enumerate(num_top)
+    ]
+
+
+def logprobs_of_positions(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> Logprobs:
+    """One Logprobs covering consecutive positions (prompt logprobs of a chunk)."""
+    ids, lps, ranks = _rows(logits, token_ids, num_top)
+    return Logprobs(token_ids=ids, logprobs=lps, ranks=ranks)
+
+
+def concat_logprobs(parts: list[Logprobs]) -> Logprobs:
+    return Logprobs(
+        token_ids=[row for p in parts for row in p.token_ids],
+        logprobs=[row for p in parts for row in p.logprobs],
+        ranks=[r for p in parts for r in p.ranks],
+    )

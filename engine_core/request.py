@@ -1,0 +1,107 @@
+"""One request's whole life inside the engine: tokens, progress, blocks, sampling state."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from protocol.messages import EngineCoreRequest, FinishReason, Logprobs, SamplingParams
+
+# Temperatures below this are greedy (as in vLLM): dividing by them would overflow.
+GREEDY_EPS = 1e-5
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+class Request:
+    """All per-request state lives here; the scheduler and runner only read and advance it."""
+
+    __slots__ = (
+        "request_id",
+        "client_index",
+        "priority",
+        "arrival_time",
+        "params",
+        "prompt_len",
+        "all_token_ids",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "block_ids",
+        "block_hashes",
+        "num_cached_blocks",
+        "status",
+        "finish_reason",
+        "stop_reason",
+        "eos_ids",
+        "stop_ids",
+        "is_greedy",
+        "needs_processing",
+        "generator",
+        "pending_logprobs",
+        "prompt_logprobs_parts",
+        "prompt_logprobs_done",
+        "sampler_state",
+    )
+
+    def __init__(self, request: EngineCoreRequest, eos_ids: frozenset[int]) -> None:
+        params = request.sampling_params
+        self.request_id = request.request_id
+        self.client_index = request.client_index
+        self.priority = request.priority
+        self.arrival_time = request.arrival_time
+        self.params: SamplingParams = params
+        self.prompt_len = len(request.prompt_token_ids)
+        self.all_token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens served by the prefix cache at first admission
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
+        self.num_cached_blocks = 0  # leading blocks already published to the prefix cache
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | None = None
+        self.eos_ids = frozenset() if params.ignore_eos else eos_ids
+        self.stop_ids = frozenset(params.stop_token_ids)
+        self.is_greedy = params.temperature < GREEDY_EPS
+        # Anything that changes the logits before the choice; lets the sampler skip work.
+        self.needs_processing = bool(
+            params.logit_bias
+            or params.allowed_token_ids
+            or params.min_tokens
+            or params.repetition_penalty != 1.0
+            or params.presence_penalty
+            or params.frequency_penalty
+        )
+        self.generator: torch.Generator | None = None
+        if params.seed is not None and not self.is_greedy:
+            self.generator = torch.Generator().manual_seed(params.seed % (1 << 64))
+        self.pending_logprobs: list[Logprobs] = []
+        self.prompt_logprobs_parts: list[Logprobs] = []
+        self.prompt_logprobs_done = params.prompt_logprobs is None
+        self.sampler_state: object | None = None  # owned by the sampler
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.prompt_len
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.prompt_len :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, float]:
+        """Priority order: lower `priority` first, then earlier arrival."""
+        return (self.priority, self.arrival_time)

@@ -1,0 +1,227 @@
+"""Continuous batching: which requests run this step, and how many tokens each.
+
+One token budget per step. Running requests go first (a decode is one token, an
+unfinished prefill a chunk), then waiting ones; prefill and decode share a step.
+Blocks are allocated for the scheduled chunk only; when they run out, the newest
+running request is preempted and recomputed later (usually from the prefix cache).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine_core.block_manager import BlockManager
+from engine_core.request import Request, RequestStatus
+from protocol.messages import FinishReason
+
+
+class WaitingQueue:
+    """Requests not running: FIFO, or a heap on (priority, arrival) for `priority`."""
+
+    def __init__(self, policy: str) -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {policy!r}")
+        self.by_priority = policy == "priority"
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.by_priority else len(self._fifo)
+
+    def add(self, request: Request) -> None:
+        if self.by_priority:
+            heapq.heappush(self._heap, (*request.sort_key(), next(self._seq), request))
+        else:
+            self._fifo.append(request)
+
+    def add_front(self, request: Request) -> None:
+        """A preempted request: first in line again (by its own key under `priority`)."""
+        if self.by_priority:
+            self.add(request)
+        else:
+            self._fifo.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][3] if self.by_priority else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3] if self.by_priority else self._fifo.popleft()
+
+    def remove(self, request: Request) -> None:
+        if self.by_priority:
+            self._heap = [e for e in self._heap if e[3] is not request]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(request)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: requests in batch order and their token counts."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    # Requests whose chunk reaches their last token: they sample, in this order.
+    sampling: list[Request] = field(default_factory=list)
+    # (request, first, end): rows at positions first..end-1 give prompt logprobs.
+    prompt_logprob_rows: list[tuple[Request, int, int]] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        long_prefill_token_threshold: int = 0,
+        policy: str = "fcfs",
+    ) -> None:
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1; got {value}")
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens
+        self.waiting = WaitingQueue(policy)
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.add(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget, self.chunk_cap)
+            while not self.blocks.allocate(request, n):
+                victim = self._pick_victim(i)
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                self._plan(out, request, n)
+                budget -= n
+                i += 1
+        # Admitting new work right after evicting old work would only thrash.
+        while (
+            not preempted
+            and len(self.waiting) > 0
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            # Prompt logprobs need logits at every prompt position: no cache hits then.
+            hits = self.blocks.find_cached_prefix(request) if request.prompt_logprobs_done else []
+            num_hit_tokens = len(hits) * self.blocks.block_size
+            n = min(request.num_tokens - num_hit_tokens, budget, self.chunk_cap)
+            if not self.blocks.allocate(request, n, hits):
+                break
+            self.waiting.pop()
+            if self.blocks.enable_prefix_caching:
+                self.blocks.record_lookup(request.num_tokens, num_hit_tokens)
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._plan(out, request, n)
+            budget -= n
+        return out
+
+    def _plan(self, out: SchedulerOutput, request: Request, n: int) -> None:
+        out.requests.append(request)
+        out.num_tokens.append(n)
+        start = request.num_computed_tokens
+        end = start + n
+        if end == request.num_tokens:
+            out.sampling.append(request)
+        if not request.prompt_logprobs_done and start < request.prompt_len - 1:
+            out.prompt_logprob_rows.append((request, start, min(end, request.prompt_len - 1)))
+
+    def _pick_victim(self, first_unscheduled: int) -> Request:
+        # Only requests not yet planned this step: their blocks are not in the batch.
+        candidates = self.running[first_unscheduled:]
+        if self.waiting.by_priority:
+            return max(candidates, key=Request.sort_key)
+        return candidates[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        if not request.prompt_logprobs_done:
+            request.prompt_logprobs_parts.clear()
+        self.waiting.add_front(request)
+        self.num_preemptions += 1
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+        """Advance every planned request; append `sampled` (one per `out.sampling`).
+
+        Returns the requests that got a token, finished ones included (already freed).
+        """
+        blocks = self.blocks
+        for request, n in zip(out.requests, out.num_tokens):
+            request.num_computed_tokens += n
+        for request, token in zip(out.sampling, sampled):
+            request.all_token_ids.append(token)
+            if self._check_stop(request, token):
+                request.status = RequestStatus.FINISHED
+        for request in out.requests:
+            # Publish before freeing: a finished request's blocks are worth reusing too.
+            blocks.cache_full_blocks(request)
+            if request.status == RequestStatus.FINISHED:
+                self.running.remove(request)
+                blocks.free(request)
+        return out.sampling
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        # Stop tokens win over length, so a stop at the limit still reports "stop".
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if token in request.eos_ids:
+                request.finish_reason = FinishReason.STOP
+                return True
+            if token in request.stop_ids:
+                request.finish_reason = FinishReason.STOP
+                request.stop_reason = token
+                return True
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            request.finish_reason = FinishReason.LENGTH
+            return True
+        return False
+
+    def finish_aborted(self, request: Request) -> None:
+        """Drop a request wherever it is and free its blocks."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.blocks.free(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = FinishReason.ABORT

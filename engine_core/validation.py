@@ -1,0 +1,60 @@
+"""The engine's own checks of a request, so a bad one is answered, never run."""
+
+from __future__ import annotations
+
+import math
+
+from protocol.messages import EngineCoreRequest
+
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+
+
+def _token_range(field: str, ids: object, vocab_size: int) -> None:
+    for t in ids:
+        if not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ValueError(f"{field} must hold token ids in 0..{vocab_size - 1}; got {t!r}")
+
+
+def _between(field: str, value: float, low: float, high: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and low <= value <= high):
+        raise ValueError(f"{field} must be between {low} and {high}; got {value!r}")
+
+
+def validate_request(request: EngineCoreRequest, vocab_size: int) -> None:
+    """Raise ValueError naming the field and its limit."""
+    p = request.sampling_params
+    if not request.prompt_token_ids:
+        raise ValueError("prompt_token_ids must not be empty")
+    _token_range("prompt_token_ids", request.prompt_token_ids, vocab_size)
+    if p.max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1; got {p.max_tokens}")
+    if not (math.isfinite(p.temperature) and p.temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0; got {p.temperature}")
+    if not (math.isfinite(p.top_p) and 0 < p.top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1]; got {p.top_p}")
+    if p.top_k < -1:
+        raise ValueError(f"top_k must be -1, 0 (off) or a positive count; got {p.top_k}")
+    _between("min_p", p.min_p, 0.0, 1.0)
+    if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
+        raise ValueError(f"repetition_penalty must be > 0; got {p.repetition_penalty}")
+    _between("presence_penalty", p.presence_penalty, -2.0, 2.0)
+    _between("frequency_penalty", p.frequency_penalty, -2.0, 2.0)
+    if not 0 <= p.min_tokens <= p.max_tokens:
+        raise ValueError(
+            f"min_tokens must be in 0..max_tokens ({p.max_tokens}); got {p.min_tokens}"
+        )
+    if p.seed is not None and not -(2**63) <= p.seed < 2**64:
+        raise ValueError(f"seed must fit in 64 bits; got {p.seed}")
+    _token_range("stop_token_ids", p.stop_token_ids, vocab_size)
+    if p.logit_bias:
+        _token_range("logit_bias", p.logit_bias.keys(), vocab_size)
+        for value in p.logit_bias.values():
+            _between("logit_bias values", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    for field, n in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
+        if n is not None and not 0 <= n <= MAX_LOGPROBS:
+            raise ValueError(f"{field} must be in 0..{MAX_LOGPROBS}; got {n}")
+    if p.allowed_token_ids is not None:
+        if not p.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty when given")
+        _token_range("allowed_token_ids", p.allowed_token_ids, vocab_size)
