@@ -68,9 +68,9 @@ class EngineCore:
         self.generation_tokens = 0
         self.step_time_s = 0.0
         logger.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
-            info.architecture, self.device, self.dtype, self.num_kv_blocks, self.block_size,
-            self.max_model_len,
+            "engine ready: %s (%s) on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+            info.architecture, self.runner.model_impl, self.device, self.dtype,
+            self.num_kv_blocks, self.block_size, self.max_model_len,
         )  # fmt: skip
 
     def add_request(self, request: EngineCoreRequest) -> list[EngineCoreOutput]:

@@ -18,6 +18,11 @@ from engine_core.model_loader import (
     resolve_dtype,
     resolve_max_model_len,
 )
+from engine_core.native_llama import (
+    NATIVE_ARCHITECTURES,
+    NativeLlamaBackend,
+    native_unsupported_reason,
+)
 from engine_core.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -48,14 +53,21 @@ def cpu_thread_count(config: EngineConfig) -> int:
 
 
 def _make_backend(
-    config: EngineConfig, info: ModelInfo, dtype: torch.dtype, device
+    config: EngineConfig, info: ModelInfo, dtype: torch.dtype, device, max_model_len: int
 ) -> ModelBackend:
-    if config.model_impl == "native":
-        raise ValueError("model_impl='native' is not available yet; use 'auto' or 'transformers'")
-    if config.model_impl not in ("auto", "transformers"):
-        raise ValueError(
-            f"model_impl must be auto, native or transformers; got {config.model_impl!r}"
-        )
+    """auto: the native forward where the architecture has one, else transformers."""
+    impl = config.model_impl
+    if impl not in ("auto", "native", "transformers"):
+        raise ValueError(f"model_impl must be auto, native or transformers; got {impl!r}")
+    if impl != "transformers":
+        reason = native_unsupported_reason(info)
+        if reason is None:
+            return NativeLlamaBackend(info, dtype, device, max_model_len)
+        if impl == "native":
+            raise ValueError(
+                f"model_impl='native' is not available for this model ({reason}); native "
+                f"architectures: {', '.join(NATIVE_ARCHITECTURES)}"
+            )
     return TransformersBackend(load_model(info, dtype, device))
 
 
@@ -71,7 +83,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.info, self.device)
         self.block_size = config.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.backend = _make_backend(config, self.info, self.dtype, self.device)
+        self.backend = _make_backend(config, self.info, self.dtype, self.device, self.max_model_len)
+        self.model_impl = type(self.backend).__name__
         self.spec = KVCacheSpec(
             self.info.num_layers,
             self.info.num_kv_heads,

@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from frontend.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
 from frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from frontend.middleware import APIKeyMiddleware, add_user_middleware
+from frontend.middleware import APIKeyMiddleware, RequestIdMiddleware, add_user_middleware
 from frontend.openapi import build_openapi
 from frontend.serving import ClientDisconnected, ServingContext, json_response
 from frontend.serving_chat import create_chat_completion
@@ -121,14 +121,10 @@ async def metrics(ctx: ServingContext, request: Request) -> Response:
 
 async def invocations(ctx: ServingContext, request: Request) -> Response:
     """SageMaker's entry: a chat body goes to chat, a prompt body to completions."""
-    body = await request.body()
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        data = None
-    if isinstance(data, dict) and "messages" in data:
+    data = await ctx.json_body(request)
+    if "messages" in data:
         return await create_chat_completion(ctx, request)
-    if isinstance(data, dict) and "prompt" in data:
+    if "prompt" in data:
         return await create_completion(ctx, request)
     raise APIError(
         "/invocations needs a chat body (with messages) or a completion body (with prompt)",
@@ -160,7 +156,7 @@ def build_app(ctx: ServingContext) -> Starlette:
         route("/metrics/", metrics, ["GET"]),
     ]
     if not config.disable_fastapi_docs:
-        document = orjson.dumps(build_openapi(VERSION))
+        document = orjson.dumps(build_openapi(VERSION, config.root_path))
         routes.append(
             Route(
                 "/openapi.json",
@@ -180,6 +176,8 @@ def build_app(ctx: ServingContext) -> Starlette:
         add_user_middleware(app, dotted)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key, root_path=config.root_path)
+    if config.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
     if config.allowed_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -195,7 +195,7 @@ class Generation:
             if keep_alive_s:
                 try:
                     await asyncio.wait_for(self.event.wait(), keep_alive_s)
-                except TimeoutError:
+                except asyncio.TimeoutError:  # not the builtin one before Python 3.11
                     yield []
             else:
                 await self.event.wait()
@@ -226,7 +226,10 @@ class Generation:
             choice.prompt_logprobs = out.prompt_logprobs
         if self.keep_logprobs and out.new_logprobs is not None:
             choice.logprob_rows.append(out.new_logprobs)
-        stop_string = choice.detok.add(ids)
+        text_ids = ids
+        if out.finish_reason is FinishReason.STOP and ids and not choice.detok.include_stop:
+            text_ids = ids[:-1]  # as in vLLM: a stop token (EOS or stop_token_ids) is no text
+        stop_string = choice.detok.add(text_ids)
         finish_reason = stop_reason = None
         if stop_string is not None:
             finish_reason, stop_reason = "stop", stop_string

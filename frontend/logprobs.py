@@ -7,6 +7,7 @@ rest its top-n alternatives, best first.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from frontend.renderer import Renderer
 from protocol.messages import Logprobs
@@ -18,17 +19,29 @@ def _clamp(value: float) -> float:
     return FLOOR if math.isinf(value) or math.isnan(value) or value < FLOOR else value
 
 
+def token_namer(renderer: Renderer, as_ids: bool) -> Callable[[int], str]:
+    """How a logprob entry names its token: its text, or vLLM's `token_id:N`
+    (`return_tokens_as_token_ids`, for tokens whose text alone is ambiguous)."""
+    if as_ids:
+        return lambda token_id: f"token_id:{token_id}"
+    return renderer.token_text
+
+
 class CompletionLogprobs:
     """Accumulates the legacy `{tokens, token_logprobs, top_logprobs, text_offset}`."""
 
-    def __init__(self, renderer: Renderer, top_n: int, text_offset: int = 0) -> None:
+    def __init__(
+        self, renderer: Renderer, top_n: int, text_offset: int = 0, as_ids: bool = False
+    ) -> None:
         self.renderer = renderer
+        self.name = token_namer(renderer, as_ids)
         self.top_n = top_n
         self.offset = text_offset
         self.tokens: list[str] = []
         self.token_logprobs: list[float | None] = []
         self.top_logprobs: list[dict[str, float] | None] = []
         self.text_offset: list[int] = []
+        self.sent = 0  # entries already handed out by take()
 
     def add_prompt(self, prompt_ids: list[int], rows: Logprobs | None) -> None:
         """Echoed prompt tokens: the first has no logprob; the others come from
@@ -38,14 +51,14 @@ class CompletionLogprobs:
             if rows is not None and 0 <= row < len(rows.token_ids):
                 self._add(rows.token_ids[row], rows.logprobs[row], token_id)
             else:
-                self._append(self.renderer.token_text(token_id), None, None)
+                self._append(self.name(token_id), None, None)
 
     def add(self, rows: Logprobs) -> None:
         for ids, lps in zip(rows.token_ids, rows.logprobs, strict=True):
             self._add(ids, lps, ids[0])
 
     def _add(self, ids: list[int], lps: list[float], token_id: int) -> None:
-        text = self.renderer.token_text
+        text = self.name
         top: dict[str, float] = {}
         for tid, lp in zip(ids[1 : self.top_n + 1], lps[1 : self.top_n + 1], strict=False):
             top.setdefault(text(tid), _clamp(lp))
@@ -60,7 +73,10 @@ class CompletionLogprobs:
         self.text_offset.append(self.offset)
         self.offset += len(token)
 
-    def take(self, start: int) -> dict:
+    def take(self) -> dict:
+        """The entries added since the previous take (a stream's chunk may carry
+        several tokens, or none when their text is held back)."""
+        start, self.sent = self.sent, len(self.tokens)
         return {
             "tokens": self.tokens[start:],
             "token_logprobs": self.token_logprobs[start:],
@@ -69,9 +85,11 @@ class CompletionLogprobs:
         }
 
 
-def chat_logprobs(renderer: Renderer, rows: Logprobs, top_n: int) -> list[dict]:
+def chat_logprobs(
+    renderer: Renderer, rows: Logprobs, top_n: int, as_ids: bool = False
+) -> list[dict]:
     """`choices[].logprobs.content` entries; exactly `top_n` alternatives each."""
-    text = renderer.token_text
+    text = token_namer(renderer, as_ids)
     content = []
     for ids, lps in zip(rows.token_ids, rows.logprobs, strict=True):
         token = text(ids[0])
@@ -93,16 +111,19 @@ def chat_logprobs(renderer: Renderer, rows: Logprobs, top_n: int) -> list[dict]:
     return content
 
 
-def prompt_logprobs(renderer: Renderer, prompt_ids: list[int], rows: Logprobs | None) -> list:
+def prompt_logprobs(
+    renderer: Renderer, prompt_ids: list[int], rows: Logprobs | None, top_n: int
+) -> list | None:
     """vLLM's shape: None for the first prompt token, then {token_id: {logprob, rank,
-    decoded_token}} holding the actual token and the top-n."""
+    decoded_token}} holding the actual token and the top-n (the engine may have
+    computed more, for echo)."""
     if rows is None:
         return None
     text = renderer.token_text
     result: list[dict | None] = [None]
     for i, (ids, lps) in enumerate(zip(rows.token_ids, rows.logprobs, strict=True)):
         entry = {}
-        for j, (tid, lp) in enumerate(zip(ids, lps, strict=True)):
+        for j, (tid, lp) in enumerate(zip(ids[: top_n + 1], lps[: top_n + 1], strict=True)):
             rank = rows.ranks[i] if j == 0 else j
             entry.setdefault(
                 str(tid), {"logprob": _clamp(lp), "rank": rank, "decoded_token": text(tid)}

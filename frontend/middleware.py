@@ -5,9 +5,11 @@ from __future__ import annotations
 import hmac
 import importlib
 import inspect
+import uuid
 
 from starlette.applications import Starlette
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.middleware.base import BaseHTTPMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend.errors import error_response
 
@@ -48,6 +50,30 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class RequestIdMiddleware:
+    """`--enable-request-id-headers`: every response carries `X-Request-Id`, the
+    client's own or a fresh one (a generation sets its request id itself)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                    headers.append((b"x-request-id", given or uuid.uuid4().hex.encode()))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def add_user_middleware(app: Starlette, dotted: str) -> None:
     """`--middleware pkg.module.Name`: a class is added as ASGI middleware, a function
     as an HTTP middleware `(request, call_next) -> response`."""
@@ -58,6 +84,6 @@ def add_user_middleware(app: Starlette, dotted: str) -> None:
     if inspect.isclass(target):
         app.add_middleware(target)
     elif inspect.iscoroutinefunction(target):
-        app.middleware("http")(target)
+        app.add_middleware(BaseHTTPMiddleware, dispatch=target)
     else:
         raise ValueError(f"--middleware {dotted!r} is neither a class nor an async function")

@@ -9,12 +9,23 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+
+# vLLM's structured-output fields (current and legacy names): refused, never ignored,
+# since ignoring them would return unconstrained text as if it were constrained.
+_STRUCTURED_OUTPUT_KEYS = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_whitespace_pattern",
+)
 
 
 class StreamOptions(BaseModel):
@@ -32,7 +43,7 @@ class SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -48,16 +59,41 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
-    priority: int = 0
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    use_beam_search: bool = False
     request_id: str | None = None
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
+    @field_validator(
+        "n",
+        "stream",
+        "echo",
+        "logprobs",
+        "add_generation_prompt",
+        mode="before",
+        check_fields=False,
+    )
+    @classmethod
+    def _null_is_default(cls, value, info):
+        """vLLM declares these Optional: an explicit null means the default."""
+        if value is None:
+            return cls.model_fields[info.field_name].default
+        return value
+
     @model_validator(mode="after")
     def _check_shared(self):
-        if self.stream_options is not None and not self.stream:
+        if self.use_beam_search:
+            raise ValueError("use_beam_search: beam search is not supported by this server")
+        for key in _STRUCTURED_OUTPUT_KEYS:
+            if (self.model_extra or {}).get(key) is not None:
+                raise ValueError(f"{key}: structured output is not supported by this server yet")
+        opts = self.stream_options
+        if opts is not None and not self.stream and (opts.model_fields_set or opts.model_extra):
             raise ValueError("stream_options: only allowed when stream is true")
         if isinstance(self.stop, list) and any(s == "" for s in self.stop):
             raise ValueError("stop: may not contain an empty string")
@@ -86,6 +122,10 @@ class SamplingFields(BaseModel):
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class CompletionRequest(SamplingFields):
     prompt: Prompt | None = None
     max_tokens: int | None = Field(16, ge=0)
@@ -94,6 +134,21 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value):
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and (
+            all(isinstance(p, str) for p in value)
+            or all(_is_int(p) for p in value)
+            or all(isinstance(p, list) and all(_is_int(t) for t in p) for p in value)
+        ):
+            return value
+        raise ValueError(
+            "must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        )
 
     @model_validator(mode="after")
     def _check_completion(self):

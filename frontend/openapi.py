@@ -45,7 +45,8 @@ _ERROR = {
 }
 
 
-def build_openapi(version: str) -> dict:
+def build_openapi(version: str, root_path: str = "") -> dict:
+    """The document; behind a proxy (`--root-path`) it names the prefix as its server."""
     schemas: dict[str, dict] = {"ErrorResponse": _ERROR}
     paths: dict[str, dict] = {}
     for path, model in POST_BODIES.items():
@@ -84,9 +85,12 @@ def build_openapi(version: str) -> dict:
                 "responses": {"200": {"description": "OK"}},
             }
         }
-    return {
+    document = {
         "openapi": "3.1.0",
         "info": {"title": "zserve", "version": version},
         "paths": paths,
         "components": {"schemas": schemas},
     }
+    if root_path:
+        document["servers"] = [{"url": root_path}]
+    return document

@@ -16,7 +16,16 @@ def generation_defaults(generation_config: dict) -> dict:
     return {k: generation_config[k] for k in _DEFAULT_KEYS if k in generation_config}
 
 
-def check_prompt_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+def check_prompt_length(
+    num_prompt_tokens: int, max_tokens: int, max_model_len: int, kv_limit: int | None = None
+) -> None:
+    """The prompt must leave room for max_tokens in the context and in the KV cache
+    (`kv_limit`: prompt + max_tokens one request may need, see ServingContext)."""
+    if num_prompt_tokens == 0:
+        raise APIError(
+            "the prompt is empty after tokenization; send at least one token",
+            param="prompt",
+        )
     if num_prompt_tokens >= max_model_len:
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
@@ -31,6 +40,33 @@ def check_prompt_length(num_prompt_tokens: int, max_tokens: int, max_model_len: 
             f"prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens.",
             param="max_tokens",
         )
+    if kv_limit is not None and num_prompt_tokens + max_tokens > kv_limit:
+        raise APIError(
+            f"This server's KV cache holds at most {kv_limit} tokens per request. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+            param="max_tokens",
+        )
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last `keep` tokens (-1: max_model_len)."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max_model_len
+    if keep > max_model_len:
+        raise APIError(
+            f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
+            f"({max_model_len}); send a smaller value",
+            param="truncate_prompt_tokens",
+        )
+    if keep == 0:
+        raise APIError(
+            "truncate_prompt_tokens 0 would leave an empty prompt; send -1 or a positive count",
+            param="truncate_prompt_tokens",
+        )
+    return ids[-keep:]
 
 
 def check_token_ids(ids, vocab_size: int, field: str) -> None:
@@ -63,9 +99,20 @@ def build_sampling_params(
     defaults: dict,
     vocab_size: int,
     max_logprobs: int,
+    echo_logprobs: int | None = None,
 ) -> SamplingParams:
+    """`echo_logprobs`: prompt logprobs the response needs although the request did not
+    ask for them (completions' echo with logprobs)."""
     check_logprobs(logprobs, "logprobs", max_logprobs)
     check_logprobs(req.prompt_logprobs, "prompt_logprobs", max_logprobs)
+    if req.min_tokens > max_tokens:
+        raise APIError(
+            f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})",
+            param="min_tokens",
+        )
+    prompt_logprobs = req.prompt_logprobs
+    if echo_logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, echo_logprobs)
     if req.stop_token_ids:
         check_token_ids(req.stop_token_ids, vocab_size, "stop_token_ids")
     if req.allowed_token_ids is not None:
@@ -88,7 +135,8 @@ def build_sampling_params(
         max_tokens=max_tokens,
         temperature=float(pick("temperature", 1.0)),
         top_p=float(pick("top_p", 1.0)),
-        top_k=0 if top_k in (None, -1) else int(top_k),
+        # top_k at or above the vocabulary keeps every token: the same as off.
+        top_k=0 if top_k in (None, -1) or top_k >= vocab_size else int(top_k),
         min_p=float(pick("min_p", 0.0)),
         repetition_penalty=float(pick("repetition_penalty", 1.0)),
         presence_penalty=float(req.presence_penalty or 0.0),
@@ -99,6 +147,6 @@ def build_sampling_params(
         ignore_eos=req.ignore_eos,
         logit_bias=logit_bias,
         logprobs=logprobs,
-        prompt_logprobs=req.prompt_logprobs,
+        prompt_logprobs=prompt_logprobs,
         allowed_token_ids=req.allowed_token_ids,
     )

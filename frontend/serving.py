@@ -4,6 +4,7 @@ engine pinning, tokenization off the event loop, and the generation life cycle."
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -90,6 +91,10 @@ class ServingContext:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
             raise APIError(f"the request body is not valid JSON: {e}") from None
+        if _LONG_NUMBER.search(raw):
+            # orjson turns integers beyond 64 bits into floats; the stdlib keeps them
+            # exact, so a limit check can name the value the client sent.
+            data = json.loads(raw)
         if not isinstance(data, dict):
             raise APIError("the request body must be a JSON object")
         return data
@@ -245,7 +250,12 @@ class ServingContext:
                 self.finish(generation)
             yield sse.DONE
 
-        return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+        return _GenerationStream(
+            body(),
+            on_close=lambda: self.finish(generation),
+            media_type="text/event-stream",
+            headers=headers,
+        )
 
     async def complete(self, request: Request, generation: Generation) -> None:
         """Run a non-streaming generation to the end; a client that disconnects
@@ -259,6 +269,21 @@ class ServingContext:
             await run_unless_disconnected(request, drain)
         finally:
             self.finish(generation)
+
+
+class _GenerationStream(StreamingResponse):
+    """A stream whose generation is finished however the response ends: a client may
+    leave before the body iterator ever starts (its `finally` then never runs)."""
+
+    def __init__(self, content, *, on_close: Callable[[], None], **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 async def run_unless_disconnected(request: Request, fn: Callable[[], Awaitable[None]]) -> None:
@@ -306,6 +331,7 @@ def validation_error(e: ValidationError) -> APIError:
     return APIError(f"{detail} (type={err.get('type')})", 400, param=loc or None)
 
 
+_LONG_NUMBER = re.compile(rb"\d{19}")
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*)$")
 
 

@@ -10,10 +10,10 @@ from starlette.responses import Response
 
 from frontend import sse
 from frontend.errors import APIError
-from frontend.generation import Generation
+from frontend.generation import ChoiceDelta, Generation
 from frontend.logprobs import chat_logprobs, prompt_logprobs
 from frontend.openai_models import ChatCompletionRequest, ChatMessage
-from frontend.sampling import build_sampling_params, check_prompt_length
+from frontend.sampling import build_sampling_params, check_prompt_length, truncate_prompt
 from frontend.serving import ServingContext, json_response
 from frontend.usage import usage
 
@@ -41,28 +41,83 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict]:
     return result
 
 
-async def render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
-    template = body.chat_template
-    kwargs = dict(body.chat_template_kwargs or {})
+async def render_messages(
+    ctx: ServingContext,
+    messages: list[ChatMessage],
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict | None = None,
+) -> str:
+    """The conversation as prompt text, through the model's (or a trusted request's)
+    chat template; any failure of the template is the request's fault: a 400."""
+    kwargs = dict(chat_template_kwargs or {})
     if "chat_template" in kwargs:
-        template = kwargs.pop("chat_template")
-    if template is not None and not ctx.config.trust_request_chat_template:
+        chat_template = kwargs.pop("chat_template")
+    if chat_template is not None and not ctx.config.trust_request_chat_template:
         raise APIError(
             "chat_template: request-supplied chat templates are refused; start the server "
             "with --trust-request-chat-template to allow them",
             param="chat_template",
         )
+    # These are the renderer's own arguments, not template variables.
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise APIError(
+            f"chat_template_kwargs: {reserved[0]!r} is not a template variable; use the "
+            f"request field of that name",
+            param="chat_template_kwargs",
+        )
+    dicts = message_dicts(messages)
     try:
         text = await ctx.render_chat(
-            messages=message_dicts(body.messages),
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            chat_template=template,
+            messages=dicts,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
             template_kwargs=kwargs,
         )
-    except (TemplateError, ValueError, TypeError, KeyError) as e:
+    except TemplateError as e:
         raise APIError(f"messages: the chat template failed: {e}", param="messages") from None
-    return await ctx.encode(text, body.add_special_tokens)
+    except Exception as e:  # a template only fails on what the request put into it
+        raise APIError(
+            f"messages: the chat template failed: {type(e).__name__}: {e}", param="messages"
+        ) from None
+    if not isinstance(text, str):
+        raise APIError("chat_template_kwargs: the chat template did not render text")
+    return text
+
+
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+    }
+)
+
+
+async def render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+    text = await render_messages(
+        ctx,
+        body.messages,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        chat_template=body.chat_template,
+        chat_template_kwargs=body.chat_template_kwargs,
+    )
+    ids = await ctx.encode(text, body.add_special_tokens)
+    return truncate_prompt(ids, body.truncate_prompt_tokens, ctx.max_model_len)
 
 
 def check_unsupported(body: ChatCompletionRequest) -> None:
@@ -89,7 +144,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     prompt_ids = await render_prompt(ctx, body)
     max_tokens = body.effective_max_tokens
     if max_tokens is None:
-        max_tokens = max(1, ctx.max_model_len - len(prompt_ids))
+        max_tokens = max(1, ctx.max_request_tokens - len(prompt_ids))
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     params = build_sampling_params(
         body,
@@ -99,7 +154,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         vocab_size=ctx.renderer.vocab_size,
         max_logprobs=ctx.config.max_logprobs,
     )
-    check_prompt_length(len(prompt_ids), max_tokens, ctx.max_model_len)
+    check_prompt_length(len(prompt_ids), max_tokens, ctx.max_model_len, ctx.max_request_tokens)
     generation = Generation(
         ctx.client,
         request_id,
@@ -124,6 +179,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
 
 
 class _ChatView:
+    """Shapes one chat generation into OpenAI chunks or a response."""
+
     def __init__(
         self, ctx: ServingContext, body: ChatCompletionRequest, gen: Generation, id_, model
     ):
@@ -139,9 +196,18 @@ class _ChatView:
         if body.echo and last.role == self.role:
             self.echo = message_dicts([last])[0]["content"]
         self.started: set[int] = set()
+        self.top_n = body.top_logprobs or 0
+        # Logprob entries and ids of tokens whose text is still held back, per choice.
+        self.pending_logprobs: list[list[dict]] = [[] for _ in gen.choices]
+        self.pending_ids: list[list[int]] = [[] for _ in gen.choices]
 
     def _usage(self) -> dict:
         return usage(self.gen, self.ctx.config.enable_prompt_tokens_details)
+
+    def _logprobs(self, rows) -> list[dict]:
+        return chat_logprobs(
+            self.ctx.renderer, rows, self.top_n, self.body.return_tokens_as_token_ids
+        )
 
     def _chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
         chunk = {
@@ -155,50 +221,59 @@ class _ChatView:
             chunk["usage"] = usage_
         return chunk
 
+    def _stream_choices(self, d: ChoiceDelta) -> list[dict]:
+        """One delta as chunk choices: the role chunk first for a new choice, then its
+        content; nothing while its text is held back (its logprobs wait)."""
+        pending = self.pending_logprobs[d.index]
+        pending_ids = self.pending_ids[d.index]
+        pending_ids.extend(d.token_ids)
+        if self.body.logprobs and d.logprobs is not None:
+            pending.extend(self._logprobs(d.logprobs))
+        text = d.text
+        if not text and not d.finish_reason:
+            return []
+        out = []
+        if d.index not in self.started:
+            # The role chunk goes out with the first text, never before it.
+            self.started.add(d.index)
+            out.append(
+                {
+                    "index": d.index,
+                    "delta": {"role": self.role, "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            )
+            text = self.echo + text
+        choice = {
+            "index": d.index,
+            "delta": {"content": text} if text else {},
+            "logprobs": {"content": pending[:]} if self.body.logprobs else None,
+            "finish_reason": d.finish_reason,
+        }
+        pending.clear()
+        if d.finish_reason:
+            choice["stop_reason"] = d.stop_reason
+        if self.body.return_token_ids:
+            choice["token_ids"] = pending_ids[:]
+        pending_ids.clear()
+        out.append(choice)
+        return out
+
     async def events(self):
-        body = self.body
-        opts = body.stream_options
+        opts = self.body.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts.continuous_usage_stats)
         keep_alive = self.ctx.config.sse_keep_alive_interval or None
-        top_n = body.top_logprobs or 0
         async for batch in self.gen.deltas(keep_alive, self.ctx.config.stream_interval):
             if not batch:
                 yield sse.KEEP_ALIVE
                 continue
             out = []
             for d in batch:
-                text = d.text
-                if d.index not in self.started:
-                    if not text and not d.finish_reason:
-                        continue
-                    # The role chunk goes out with the first token, never before it.
-                    self.started.add(d.index)
-                    role = {
-                        "index": d.index,
-                        "delta": {"role": self.role, "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    out.append(
-                        sse.event(self._chunk([role], self._usage() if continuous else None))
-                    )
-                    text = self.echo + text
-                elif not text and not d.finish_reason:
-                    continue
-                choice = {
-                    "index": d.index,
-                    "delta": {"content": text} if text else {},
-                    "logprobs": {"content": chat_logprobs(self.ctx.renderer, d.logprobs, top_n)}
-                    if body.logprobs and d.logprobs is not None
-                    else None,
-                    "finish_reason": d.finish_reason,
-                }
-                if d.finish_reason:
-                    choice["stop_reason"] = d.stop_reason
-                if body.return_token_ids:
-                    choice["token_ids"] = d.token_ids
-                out.append(sse.event(self._chunk([choice], self._usage() if continuous else None)))
+                for choice in self._stream_choices(d):
+                    usage_ = self._usage() if continuous else None
+                    out.append(sse.event(self._chunk([choice], usage_)))
             if out:
                 yield b"".join(out)
         if include_usage:
@@ -206,14 +281,13 @@ class _ChatView:
 
     def response(self) -> dict:
         body = self.body
-        top_n = body.top_logprobs or 0
         choices = []
         for c in self.gen.choices:
             logprobs = None
             if body.logprobs:
                 content = []
                 for rows in c.logprob_rows:
-                    content.extend(chat_logprobs(self.ctx.renderer, rows, top_n))
+                    content.extend(self._logprobs(rows))
                 logprobs = {"content": content}
             choices.append(
                 {
@@ -241,7 +315,7 @@ class _ChatView:
             "usage": self._usage(),
             "system_fingerprint": None,
             "prompt_logprobs": prompt_logprobs(
-                self.ctx.renderer, first.prompt_ids, first.prompt_logprobs
+                self.ctx.renderer, first.prompt_ids, first.prompt_logprobs, body.prompt_logprobs
             )
             if body.prompt_logprobs is not None
             else None,

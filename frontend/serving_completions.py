@@ -9,10 +9,15 @@ from starlette.responses import Response
 
 from frontend import sse
 from frontend.errors import APIError
-from frontend.generation import Generation
+from frontend.generation import ChoiceDelta, Generation
 from frontend.logprobs import CompletionLogprobs, prompt_logprobs
 from frontend.openai_models import CompletionRequest
-from frontend.sampling import build_sampling_params, check_prompt_length, check_token_ids
+from frontend.sampling import (
+    build_sampling_params,
+    check_prompt_length,
+    check_token_ids,
+    truncate_prompt,
+)
 from frontend.serving import ServingContext, json_response
 from frontend.usage import usage
 
@@ -38,12 +43,24 @@ async def tokenize_prompts(ctx: ServingContext, body: CompletionRequest) -> list
     return prompts
 
 
+def prompt_texts(body: CompletionRequest) -> list[str | None]:
+    """The prompts as the client wrote them, for echo (None: token ids, decoded then)."""
+    if isinstance(body.prompt, str):
+        return [body.prompt]
+    return [p if isinstance(p, str) else None for p in body.prompt]
+
+
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
     body = await ctx.parse(request, CompletionRequest)
     model = ctx.resolve_model(body.model)
     request_id = ctx.request_id(request, body.request_id)
-    prompts = await tokenize_prompts(ctx, body)
+    prompts = [
+        truncate_prompt(p, body.truncate_prompt_tokens, ctx.max_model_len)
+        for p in await tokenize_prompts(ctx, body)
+    ]
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
+    # vLLM's echo with max_tokens 0: just the prompt. The engine still samples one
+    # token (it computes the prompt logprobs on the way); the view drops it.
     echo_only = max_tokens == 0
     params = build_sampling_params(
         body,
@@ -52,11 +69,10 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         defaults=ctx.defaults,
         vocab_size=ctx.renderer.vocab_size,
         max_logprobs=ctx.config.max_logprobs,
+        echo_logprobs=body.logprobs if body.echo else None,
     )
-    if echo_only:
-        raise APIError("max_tokens: 0 (echo only) is not supported", param="max_tokens")
     for p in prompts:
-        check_prompt_length(len(p), max_tokens, ctx.max_model_len)
+        check_prompt_length(len(p), max(max_tokens, 1), ctx.max_model_len, ctx.max_request_tokens)
     generation = Generation(
         ctx.client,
         request_id,
@@ -70,10 +86,12 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         priority=ctx.priority(request, body.priority),
         engine_rank=ctx.engine_rank(request),
     )
+    generation.keep_logprobs = not body.stream and body.logprobs is not None
     ctx.start(generation, body.n)
     headers = ctx.response_headers(generation, request_id)
-    view = _CompletionView(ctx, body, generation, f"cmpl-{request_id}", model)
-    generation.keep_logprobs = not body.stream and body.logprobs is not None
+    # Echo shows a text prompt as written, unless it was cut to its last tokens.
+    texts = prompt_texts(body) if body.truncate_prompt_tokens is None else None
+    view = _CompletionView(ctx, body, generation, f"cmpl-{request_id}", model, echo_only, texts)
     if body.stream:
         return ctx.stream(request, generation, view.events(), headers)
     await ctx.complete(request, generation)
@@ -83,16 +101,35 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
 class _CompletionView:
     """Shapes one completion generation into OpenAI chunks or a response."""
 
-    def __init__(self, ctx: ServingContext, body: CompletionRequest, gen: Generation, id_, model):
+    def __init__(
+        self,
+        ctx: ServingContext,
+        body: CompletionRequest,
+        gen: Generation,
+        id_: str,
+        model: str,
+        echo_only: bool,
+        prompt_texts: list[str | None] | None,
+    ) -> None:
         self.ctx = ctx
         self.body = body
         self.gen = gen
         self.id = id_
         self.model = model
+        self.echo_only = echo_only
+        self.prompt_texts = prompt_texts  # per prompt; None: decode the prompt ids
         self.created = int(time.time())
-        self.started: set[int] = set()  # choices whose first chunk went out
+        self.started: set[int] = set()  # choices whose prompt prefix was handled
+        self.shown: set[int] = set()  # choices with a chunk sent
+        # Token ids of text still held back (a partial character, a possible stop).
+        self.pending_ids: list[list[int]] = [[] for _ in gen.choices]
         self.logprobs = (
-            [CompletionLogprobs(ctx.renderer, body.logprobs) for _ in gen.choices]
+            [
+                CompletionLogprobs(
+                    ctx.renderer, body.logprobs, as_ids=body.return_tokens_as_token_ids
+                )
+                for _ in gen.choices
+            ]
             if body.logprobs is not None
             else None
         )
@@ -102,7 +139,9 @@ class _CompletionView:
         if not self.body.echo:
             return ""
         choice = self.gen.choices[index]
-        text = self.ctx.renderer.decode(choice.prompt_ids, skip_special_tokens=False)
+        text = self.prompt_texts[choice.prompt_index] if self.prompt_texts else None
+        if text is None:
+            text = self.ctx.renderer.decode(choice.prompt_ids, skip_special_tokens=False)
         if self.logprobs is not None:
             rec = self.logprobs[index]
             rec.add_prompt(choice.prompt_ids, choice.prompt_logprobs)
@@ -110,7 +149,11 @@ class _CompletionView:
         return text
 
     def _usage(self) -> dict:
-        return usage(self.gen, self.ctx.config.enable_prompt_tokens_details)
+        return usage(
+            self.gen,
+            self.ctx.config.enable_prompt_tokens_details,
+            count_generated=not self.echo_only,
+        )
 
     def _chunk(self, choices: list[dict], usage_: dict | None) -> dict:
         return {
@@ -122,9 +165,37 @@ class _CompletionView:
             "usage": usage_,
         }
 
+    def _stream_choice(self, d: ChoiceDelta) -> dict | None:
+        """One delta as a chunk's choice, or None when it shows nothing yet (a partial
+        character, a held-back stop); its logprobs then wait for the next chunk."""
+        first = d.index not in self.started
+        self.started.add(d.index)
+        text = self._prefix(d.index) if first else ""
+        pending_ids = self.pending_ids[d.index]
+        if not self.echo_only:
+            text += d.text
+            pending_ids.extend(d.token_ids)
+            if self.logprobs is not None and d.logprobs is not None:
+                self.logprobs[d.index].add(d.logprobs)
+        if not text and not d.finish_reason:
+            return None
+        choice = {
+            "index": d.index,
+            "text": text,
+            "logprobs": self.logprobs[d.index].take() if self.logprobs is not None else None,
+            "finish_reason": d.finish_reason,
+            "stop_reason": d.stop_reason,
+        }
+        if self.body.return_token_ids:
+            shown = d.index in self.shown
+            choice["token_ids"] = pending_ids[:]
+            choice["prompt_token_ids"] = None if shown else self.gen.choices[d.index].prompt_ids
+        self.shown.add(d.index)
+        pending_ids.clear()
+        return choice
+
     async def events(self):
-        body = self.body
-        opts = body.stream_options
+        opts = self.body.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = include_usage and bool(opts.continuous_usage_stats)
         keep_alive = self.ctx.config.sse_keep_alive_interval or None
@@ -134,31 +205,10 @@ class _CompletionView:
                 continue
             out = []
             for d in batch:
-                first = d.index not in self.started
-                text = (self._prefix(d.index) if first else "") + d.text
-                if not text and not d.finish_reason:
-                    continue  # nothing to show yet (a partial character, a held-back stop)
-                self.started.add(d.index)
-                lp = None
-                if self.logprobs is not None:
-                    rec = self.logprobs[d.index]
-                    start = len(rec.tokens) if not first else 0
-                    if d.logprobs is not None:
-                        rec.add(d.logprobs)
-                    lp = rec.take(start)
-                choice = {
-                    "index": d.index,
-                    "text": text,
-                    "logprobs": lp,
-                    "finish_reason": d.finish_reason,
-                    "stop_reason": d.stop_reason,
-                }
-                if body.return_token_ids:
-                    choice["token_ids"] = d.token_ids
-                    choice["prompt_token_ids"] = (
-                        self.gen.choices[d.index].prompt_ids if first else None
-                    )
-                out.append(sse.event(self._chunk([choice], self._usage() if continuous else None)))
+                choice = self._stream_choice(d)
+                if choice is not None:
+                    usage_ = self._usage() if continuous else None
+                    out.append(sse.event(self._chunk([choice], usage_)))
             if out:
                 yield b"".join(out)
         if include_usage:
@@ -168,13 +218,16 @@ class _CompletionView:
         body = self.body
         choices = []
         for c in self.gen.choices:
-            text = self._prefix(c.index) + c.detok.text
+            text = self._prefix(c.index)
+            if not self.echo_only:
+                text += c.detok.text
             lp = None
             if self.logprobs is not None:
                 rec = self.logprobs[c.index]
-                for rows in c.logprob_rows:
-                    rec.add(rows)
-                lp = rec.take(0)
+                if not self.echo_only:
+                    for rows in c.logprob_rows:
+                        rec.add(rows)
+                lp = rec.take()
             choices.append(
                 {
                     "index": c.index,
@@ -183,12 +236,14 @@ class _CompletionView:
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                     "prompt_logprobs": prompt_logprobs(
-                        self.ctx.renderer, c.prompt_ids, c.prompt_logprobs
+                        self.ctx.renderer, c.prompt_ids, c.prompt_logprobs, body.prompt_logprobs
                     )
                     if body.prompt_logprobs is not None
                     else None,
                     "prompt_token_ids": c.prompt_ids if body.return_token_ids else None,
-                    "token_ids": c.token_ids if body.return_token_ids else None,
+                    "token_ids": (
+                        ([] if self.echo_only else c.token_ids) if body.return_token_ids else None
+                    ),
                 }
             )
         result = self._chunk(choices, self._usage())

@@ -12,18 +12,19 @@ from frontend.errors import APIError
 from frontend.openai_models import DetokenizeRequest, TokenizeRequest
 from frontend.sampling import check_token_ids
 from frontend.serving import ServingContext, json_response
-from frontend.serving_chat import message_dicts
+from frontend.serving_chat import render_messages
 
 
 async def tokenize(ctx: ServingContext, request: Request) -> Response:
     body = await ctx.parse(request, TokenizeRequest)
     ctx.resolve_model(body.model)
     if body.messages is not None:
-        text = await ctx.render_chat(
-            messages=message_dicts(body.messages),
+        text = await render_messages(
+            ctx,
+            body.messages,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
-            template_kwargs=body.chat_template_kwargs,
+            chat_template_kwargs=body.chat_template_kwargs,
         )
         add_special = bool(body.add_special_tokens)  # chat templates carry their own specials
     else:

@@ -25,8 +25,12 @@ def test_bench_engine_reports_ratios_prefill_and_prefix_cache(tiny_model, tmp_pa
     assert args.run(args) == 0
     result = json.loads(out.read_text())
     assert [d["batch"] for d in result["decode"]] == [1, 4]
-    assert all(d["ratio"]["median"] > 0 for d in result["decode"])
+    assert result["model_impls"] == ["native", "transformers"]
+    for d in result["decode"]:
+        assert d["limit_ms"]["median"] > 0
+        assert all(d[impl]["ratio"]["median"] > 0 for impl in ("native", "transformers"))
     assert result["prefill"]["engine_tok_s"]["median"] > 0
     # Requests 2 and 3 reuse the 2 full shared blocks: 64 of 144 looked-up tokens.
     assert result["prefix_cache"]["hit_rate"] == pytest.approx(64 / 144)
-    assert "limit/engine" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "bare HF loop" in out and "native" in out and "transformers" in out

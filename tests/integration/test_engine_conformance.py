@@ -1,5 +1,6 @@
 """Greedy output equals transformers' generate() token for token, for every allowlisted
-architecture, however the engine batches, chunks, caches and preempts."""
+architecture and both forward paths (transformers', and the native one of the Llama
+family), however the engine batches, chunks, caches and preempts."""
 
 from __future__ import annotations
 
@@ -13,7 +14,16 @@ from engine_oracle import (
 )
 
 from engine_core.llm import LLM
+from engine_core.model_loader import SUPPORTED_ARCHITECTURES
+from engine_core.native_llama import NATIVE_ARCHITECTURES
 from launcher.tiny_model import ARCHS
+
+# Every architecture through transformers' forward; the Llama family also natively.
+_NATIVE = {
+    a for a in ARCHS if f"{a}ForCausalLM".lower() in {n.lower() for n in NATIVE_ARCHITECTURES}
+}
+PATHS = [(a, "transformers") for a in ARCHS] + [(a, "native") for a in ARCHS if a in _NATIVE]
+assert len(SUPPORTED_ARCHITECTURES) == len(ARCHS) and len(_NATIVE) == 4
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,31 +50,32 @@ def oracle(tiny_model):
     return get
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_alone_matches_transformers(oracle, arch):
+@pytest.mark.parametrize(("arch", "impl"), PATHS)
+def test_greedy_alone_matches_transformers(oracle, arch, impl):
     path, prompts, expected, _, _ = oracle(arch)
-    llm = LLM(str(path), kv_cache_memory_bytes=SMALL_KV)
+    llm = LLM(str(path), kv_cache_memory_bytes=SMALL_KV, model_impl=impl)
     for i in (0, 1, 5):  # 5, 17 and 1 prompt tokens
         (result,) = llm.generate([prompts[i]], greedy())
         assert result.token_ids == expected[i]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_batch_of_8_different_lengths_matches_transformers(oracle, arch):
+@pytest.mark.parametrize(("arch", "impl"), PATHS)
+def test_greedy_batch_of_8_different_lengths_matches_transformers(oracle, arch, impl):
     path, prompts, expected, _, _ = oracle(arch)
-    llm = LLM(str(path), kv_cache_memory_bytes=SMALL_KV)
+    llm = LLM(str(path), kv_cache_memory_bytes=SMALL_KV, model_impl=impl)
     results = llm.generate(prompts, greedy())
     assert [r.token_ids for r in results] == expected
     # They really ran together: 8 prompts, 16 tokens each, in about 16 steps.
     assert llm.engine.make_stats().num_steps <= 17
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill_matches_transformers(oracle, arch):
+@pytest.mark.parametrize(("arch", "impl"), PATHS)
+def test_chunked_prefill_matches_transformers(oracle, arch, impl):
     path, prompts, expected, _, _ = oracle(arch)
     llm = LLM(
         str(path),
         kv_cache_memory_bytes=SMALL_KV,
+        model_impl=impl,
         max_num_batched_tokens=24,
         long_prefill_token_threshold=7,
     )
@@ -76,10 +87,10 @@ def test_chunked_prefill_matches_transformers(oracle, arch):
     assert stats.prompt_tokens_computed == sum(map(len, prompts))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_shared_prefix_is_served_from_prefix_cache(oracle, arch):
+@pytest.mark.parametrize(("arch", "impl"), PATHS)
+def test_shared_prefix_is_served_from_prefix_cache(oracle, arch, impl):
     path, _, _, shared, expected = oracle(arch)
-    llm = LLM(str(path), kv_cache_memory_bytes=SMALL_KV)
+    llm = LLM(str(path), kv_cache_memory_bytes=SMALL_KV, model_impl=impl)
     first = llm.generate(shared[:1], greedy())
     rest = llm.generate(shared[1:], greedy())
     assert [r.token_ids for r in first + rest] == expected
@@ -90,12 +101,12 @@ def test_shared_prefix_is_served_from_prefix_cache(oracle, arch):
     assert stats.prefix_cache_queries == sum(map(len, shared))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_preemption_by_recompute_matches_transformers(oracle, arch):
+@pytest.mark.parametrize(("arch", "impl"), PATHS)
+def test_preemption_by_recompute_matches_transformers(oracle, arch, impl):
     path, prompts, expected, _, _ = oracle(arch)
     # 12 usable blocks of 16 tokens: the longest request alone needs 7 of them.
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 heads, dim 16, fp32
-    llm = LLM(str(path), kv_cache_memory_bytes=13 * block_bytes)
+    llm = LLM(str(path), kv_cache_memory_bytes=13 * block_bytes, model_impl=impl)
     assert llm.engine.num_kv_blocks == 13
     results = llm.generate(prompts, greedy())
     assert [r.token_ids for r in results] == expected

@@ -75,7 +75,7 @@ def test_benchmarks_touch_engine_core_only_in_the_offline_engine_bench():
     for path in modules("benchmarks"):
         for module, _, line in imports_of(path):
             if module.split(".")[0] == "engine_core":
-                assert path.name == "engine.py", f"{path.name}:{line} imports {module}"
+                assert path.name == "engine_measure.py", f"{path.name}:{line} imports {module}"
 
 
 def test_the_scan_sees_imports_inside_functions(tmp_path):

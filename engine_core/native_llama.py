@@ -1,0 +1,209 @@
+"""The native forward of the Llama family (Llama, Qwen2, Qwen3, Mistral), behind the
+runner's backend seam: the checkpoint's weights in our own few tensors, fused QKV
+and gate/up projections, RoPE tables computed once, the same paged attention as the
+transformers backend, logits only for the rows that sample.
+
+The math follows transformers' modeling code operation for operation (RMSNorm in
+fp32 then cast, residuals in the model dtype, rotate-half RoPE), so greedy output
+equals `generate()`; the rotary tables come from transformers' own rotary module, so
+every rope-scaling variant it knows (linear, llama3, yarn, longrope) is exact.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from engine_core.attention import AttentionMetadata, paged_attention
+from engine_core.model_loader import ModelInfo
+
+# architecture -> (transformers module, rotary class)
+NATIVE_ARCHITECTURES = {
+    "LlamaForCausalLM": ("transformers.models.llama.modeling_llama", "LlamaRotaryEmbedding"),
+    "Qwen2ForCausalLM": ("transformers.models.qwen2.modeling_qwen2", "Qwen2RotaryEmbedding"),
+    "Qwen3ForCausalLM": ("transformers.models.qwen3.modeling_qwen3", "Qwen3RotaryEmbedding"),
+    "MistralForCausalLM": (
+        "transformers.models.mistral.modeling_mistral",
+        "MistralRotaryEmbedding",
+    ),
+}
+
+
+def native_unsupported_reason(info: ModelInfo) -> str | None:
+    """Why this model cannot take the native path (None: it can)."""
+    if info.architecture not in NATIVE_ARCHITECTURES:
+        return f"no native forward for {info.architecture}"
+    cfg = info.hf_config
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") == "dynamic":
+        return "dynamic NTK rope depends on the sequence length"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act}"
+    if getattr(cfg, "mlp_bias", False):
+        return "MLP biases"
+    return None
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's weights; `index` is what the attention function keys on."""
+
+    layer_idx: int
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 I, hidden]
+    down: torch.Tensor
+    sliding_window: int | None
+
+
+class _Weights:
+    """All tensors of a safetensors checkpoint, by name, converted on first use."""
+
+    def __init__(self, folder: Path, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = [p.name for p in sorted(folder.glob("*.safetensors"))]
+        if not files:
+            raise ValueError(f"{folder}: no *.safetensors weights")
+        self.where: dict[str, Path] = {}
+        for name in files:
+            with safe_open(folder / name, framework="pt") as f:
+                for key in f.keys():
+                    self.where[key] = folder / name
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        with safe_open(self.where[name], framework="pt") as f:
+            tensor = f.get_tensor(name)
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+
+class NativeLlamaBackend:
+    """forward(input_ids, positions, attn_meta, logits_indices) -> fp32 logits."""
+
+    def __init__(
+        self, info: ModelInfo, dtype: torch.dtype, device: torch.device, max_model_len: int
+    ) -> None:
+        cfg = info.hf_config
+        self.dtype, self.device = dtype, device
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = info.num_kv_heads
+        self.head_dim = info.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.scaling = self.head_dim**-0.5
+        w = _Weights(info.path, dtype, device)
+        self.embed = w.get("model.embed_tokens.weight")
+        self.norm = w.get("model.norm.weight")
+        self.lm_head = w.get("lm_head.weight") if w.has("lm_head.weight") else self.embed
+        layer_types = getattr(cfg, "layer_types", None)
+        window = getattr(cfg, "sliding_window", None)
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            biased = w.has(a + "q_proj.bias")
+            sliding = (layer_types[i] == "sliding_attention") if layer_types else window is not None
+            self.layers.append(
+                _Layer(
+                    layer_idx=i,
+                    input_norm=w.get(p + "input_layernorm.weight"),
+                    qkv=torch.cat([w.get(a + f"{x}_proj.weight") for x in "qkv"]),
+                    qkv_bias=torch.cat([w.get(a + f"{x}_proj.bias") for x in "qkv"])
+                    if biased
+                    else None,
+                    q_norm=w.get(a + "q_norm.weight") if w.has(a + "q_norm.weight") else None,
+                    k_norm=w.get(a + "k_norm.weight") if w.has(a + "k_norm.weight") else None,
+                    o=w.get(a + "o_proj.weight"),
+                    post_norm=w.get(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat(
+                        [w.get(p + "mlp.gate_proj.weight"), w.get(p + "mlp.up_proj.weight")]
+                    ),
+                    down=w.get(p + "mlp.down_proj.weight"),
+                    sliding_window=window if sliding else None,
+                )
+            )
+        self.cos, self.sin = self._rope_tables(info, max_model_len)
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        self.split = (q, kv, kv)
+
+    def _rope_tables(self, info: ModelInfo, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [length, D] from transformers' own rotary module, computed once."""
+        module, name = NATIVE_ARCHITECTURES[info.architecture]
+        rotary = getattr(importlib.import_module(module), name)(info.hf_config).to(self.device)
+        positions = torch.arange(length, device=self.device)[None]
+        probe = torch.empty(1, dtype=self.dtype, device=self.device)
+        cos, sin = rotary(probe, positions)
+        return cos[0].contiguous(), sin[0].contiguous()
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # transformers' order: normalise in fp32, cast back, then scale.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [N, H, D]; cos/sin [N, 1, D]."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        n = input_ids.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        cos = self.cos.index_select(0, positions)[:, None, :]
+        sin = self.sin.index_select(0, positions)[:, None, :]
+        hidden = F.embedding(input_ids, self.embed)
+        for layer in self.layers:
+            residual = hidden
+            x = self._rms_norm(hidden, layer.input_norm)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split(self.split, dim=-1)
+            q = q.view(n, hq, d)
+            k = k.view(n, hkv, d)
+            if layer.q_norm is not None:
+                q = self._rms_norm(q, layer.q_norm)
+                k = self._rms_norm(k, layer.k_norm)
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            # The attention function speaks transformers' layout: [1, H, N, D].
+            attn, _ = paged_attention(
+                layer,
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.view(n, hkv, d).transpose(0, 1)[None],
+                None,
+                scaling=self.scaling,
+                sliding_window=layer.sliding_window,
+                attn_meta=attn_meta,
+            )
+            hidden = residual + F.linear(attn.reshape(n, hq * d), layer.o)
+            residual = hidden
+            x = self._rms_norm(hidden, layer.post_norm)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = residual + F.linear(F.silu(gate) * up, layer.down)
+        hidden = self._rms_norm(hidden.index_select(0, logits_indices), self.norm)
+        return F.linear(hidden, self.lm_head).float()

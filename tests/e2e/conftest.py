@@ -1,0 +1,29 @@
+"""The e2e suite's default server: one `zserve serve` on the tiny llama, shared by every
+module of this folder that asks for it (server start-ups are the suite's main cost)."""
+
+from __future__ import annotations
+
+import pytest
+from e2e_http import SERVED_NAMES, SMALL_KV, http_client, sync_client
+from zserve_proc import ZServe
+
+
+@pytest.fixture(scope="package")
+def default_server(tiny_model):
+    """Default flags, two served names; no test may leave it in a changed state."""
+    with ZServe(str(tiny_model("llama")), *SERVED_NAMES, *SMALL_KV) as s:
+        yield s
+        log = s.log()
+    assert "Traceback" not in log, log[-4000:]
+
+
+@pytest.fixture(scope="package")
+def client(default_server):
+    with sync_client(default_server) as c:
+        yield c
+
+
+@pytest.fixture(scope="package")
+def http(default_server):
+    with http_client(default_server) as c:
+        yield c

@@ -1,0 +1,134 @@
+"""What the OpenAI-surface e2e tests share: clients for a running server, SSE parsing,
+the error-body check and small readers of /server_info and /metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import httpx
+import openai
+import orjson
+from zserve_proc import ZServe
+
+MODEL = "tiny"
+ALIAS = "tiny-alias"
+SERVED_NAMES = ("--served-model-name", MODEL, ALIAS)
+# On CPU everywhere: the waits some tests build need an engine of the CI box's speed.
+SMALL_KV = ("--kv-cache-memory-bytes", "64MiB", "--device", "cpu")
+VOCAB_SIZE = 320
+MAX_MODEL_LEN = 1024
+EOS = 258
+IM_START = 257
+
+
+def sync_client(server: ZServe, api_key: str = "none", **kwargs) -> openai.OpenAI:
+    kwargs = {"max_retries": 0, "timeout": 60, **kwargs}
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=api_key, **kwargs)
+
+
+def async_client(server: ZServe, api_key: str = "none", **kwargs) -> openai.AsyncOpenAI:
+    kwargs = {"max_retries": 0, "timeout": 60, **kwargs}
+    return openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key=api_key, **kwargs)
+
+
+def http_client(server: ZServe, **kwargs) -> httpx.Client:
+    return httpx.Client(base_url=server.base_url, timeout=60, **kwargs)
+
+
+@dataclass
+class SSE:
+    """A stream as it went over the wire: data payloads (parsed), comments, and whether
+    it ended with `data: [DONE]`."""
+
+    events: list[dict]
+    comments: list[str]
+    done: bool
+    raw: str
+
+
+def parse_sse(text: str) -> SSE:
+    """Every event must be one `data:` line followed by a blank line (or a comment)."""
+    events, comments, done = [], [], False
+    assert text.endswith("\n\n"), f"stream does not end with a blank line: {text[-80:]!r}"
+    for block in text.split("\n\n")[:-1]:
+        assert "\n" not in block, f"an event spans several lines: {block!r}"
+        assert not done, "something came after data: [DONE]"
+        if block.startswith(":"):
+            comments.append(block[1:].strip())
+        elif block == "data: [DONE]":
+            done = True
+        else:
+            assert block.startswith("data: "), f"not an SSE data line: {block!r}"
+            events.append(orjson.loads(block[len("data: ") :]))
+    return SSE(events, comments, done, text)
+
+
+def post_stream(http: httpx.Client, path: str, body: dict, **kwargs) -> tuple[httpx.Response, SSE]:
+    with http.stream("POST", path, json={**body, "stream": True}, **kwargs) as r:
+        text = r.read().decode()
+    if r.status_code != 200:
+        return r, SSE([], [], False, text)
+    assert r.headers["content-type"].startswith("text/event-stream")
+    return r, parse_sse(text)
+
+
+def assert_error(
+    r: httpx.Response,
+    status: int | Iterable[int],
+    param: str | None | object = ...,
+    contains: Iterable[str] = (),
+) -> dict:
+    """`r` is an error response with vLLM's body {"error": {message, type, param, code}}."""
+    statuses = {status} if isinstance(status, int) else set(status)
+    assert r.status_code in statuses, (r.status_code, r.text[:1000])
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    error = assert_error_body(r.json(), r.status_code)
+    if param is not ...:
+        assert error["param"] == param, error
+    for text in contains:
+        assert text in error["message"], error
+    return error
+
+
+def assert_error_body(body: object, status: int) -> dict:
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert isinstance(error["type"], str) and error["type"], error
+    assert error["param"] is None or isinstance(error["param"], str), error
+    assert error["code"] == status, error
+    assert "Traceback" not in error["message"], error
+    return error
+
+
+def engine_stats(server: ZServe, headers: dict | None = None) -> dict:
+    info = httpx.get(server.base_url + "/server_info", headers=headers, timeout=10).json()
+    return info["engines"][0]["stats"]
+
+
+def wait_for(
+    condition: Callable[[], bool], timeout: float = 20.0, interval: float = 0.1, what: str = ""
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    """Prometheus text → {name{labels}: value}, and the label-free sums {name: total}."""
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, value = line.rsplit(" ", 1)
+        samples[key] = float(value)
+        name = key.split("{", 1)[0]
+        if "{" in key:
+            samples[name] = samples.get(name, 0.0) + float(value)
+    return samples

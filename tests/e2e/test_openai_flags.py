@@ -1,0 +1,329 @@
+"""Issue 4 with the optional flags on (one server): items 1 (/tokenizer_info,
+--metrics-prefix, /load), 3 (--chat-template, --trust-request-chat-template), 4
+(--max-logprobs, generation_config defaults, --enable-prompt-tokens-details,
+--enable-request-id-headers), 7 (--api-key, CORS) and 8 (--disable-log-*)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from e2e_http import (
+    MAX_MODEL_LEN,
+    MODEL,
+    SERVED_NAMES,
+    SMALL_KV,
+    assert_error,
+    engine_stats,
+    post_stream,
+    sync_client,
+    wait_for,
+)
+from zserve_proc import ZServe
+
+pytestmark = pytest.mark.timeout(120)
+
+KEY = "sk-flags-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ORIGIN = "https://good.example"
+TEMPLATE = (
+    "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def flags_model(tiny_model, tmp_path_factory):
+    """The tiny llama whose generation_config.json makes greedy decoding the default."""
+    folder = tmp_path_factory.mktemp("flags-model") / "llama"
+    shutil.copytree(tiny_model("llama"), folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps(config | {"temperature": 0.0}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(flags_model, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "template.jinja"
+    template.write_text(TEMPLATE)
+    with ZServe(
+        str(flags_model),
+        *SERVED_NAMES,
+        *SMALL_KV,
+        "--api-key", KEY,
+        "--enable-request-id-headers",
+        "--enable-prompt-tokens-details",
+        "--enable-tokenizer-info-endpoint",
+        "--enable-server-load-tracking",
+        "--allowed-origins", json.dumps([ORIGIN]),
+        "--allowed-methods", "GET,POST",
+        "--allowed-headers", "Authorization,Content-Type",
+        "--allow-credentials",
+        "--max-logprobs", "5",
+        "--metrics-prefix", "vllm",
+        "--chat-template", str(template),
+        "--trust-request-chat-template",
+        "--disable-log-requests",
+        "--disable-log-stats",
+    ) as s:  # fmt: skip
+        s.started_at = time.monotonic()
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with sync_client(server, api_key=KEY) as c:
+        yield c
+
+
+# --- --api-key (item 7) -----------------------------------------------------------------
+
+GUARDED = [
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "u", "content": "x"}], "max_tokens": 1},
+    ),
+    ("POST", "/tokenize", {"prompt": "x"}),
+    ("POST", "/detokenize", {"tokens": [65]}),
+    ("POST", "/invocations", {"prompt": "x", "max_tokens": 1}),
+    ("GET", "/v1/models", None),
+    ("GET", "/load", None),
+    ("GET", "/tokenizer_info", None),
+    ("GET", "/openapi.json", None),
+    ("GET", "/server_info", None),
+]
+OPEN = [
+    ("GET", "/health"),
+    ("GET", "/live"),
+    ("GET", "/ping"),
+    ("POST", "/ping"),
+    ("GET", "/version"),
+    ("GET", "/metrics"),
+    ("GET", "/metrics/"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), GUARDED)
+def test_the_api_key_guards_every_route_but_the_probes(server, method, path, body):
+    url = server.base_url + path
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.request(method, url, json=body, headers=headers, timeout=30)
+        assert_error(r, 401)
+    r = httpx.request(method, url, json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(("method", "path"), OPEN)
+def test_probes_and_metrics_stay_open(server, method, path):
+    assert httpx.request(method, server.base_url + path, timeout=30).status_code == 200
+
+
+def test_the_sdk_sees_a_wrong_key_as_an_authentication_error(server, client):
+    with sync_client(server, api_key="wrong") as bad, pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert [m.id for m in client.models.list().data][0] == MODEL
+
+
+# --- CORS (item 7) ----------------------------------------------------------------------
+
+
+def test_cors_preflight_answers_allowed_origins_only(server, default_server):
+    preflight = {"Access-Control-Request-Method": "POST"}
+    r = httpx.options(server.base_url + "/v1/completions", headers={"Origin": ORIGIN, **preflight})
+    assert r.status_code == 200
+    assert r.headers["access-control-allow-origin"] == ORIGIN
+    assert r.headers["access-control-allow-credentials"] == "true"
+    assert set(r.headers["access-control-allow-methods"].split(", ")) >= {"GET", "POST"}
+    for refused in (
+        {"Access-Control-Request-Method": "DELETE"},
+        {**preflight, "Access-Control-Request-Headers": "X-Custom"},
+    ):
+        r = httpx.options(
+            server.base_url + "/v1/completions", headers={"Origin": ORIGIN, **refused}
+        )
+        assert r.status_code == 400, refused
+    r = httpx.options(
+        server.base_url + "/v1/completions",
+        headers={"Origin": "https://evil.example", **preflight},
+    )
+    assert "access-control-allow-origin" not in r.headers
+    r = httpx.get(server.base_url + "/v1/models", headers={"Origin": ORIGIN, **AUTH})
+    assert r.headers["access-control-allow-origin"] == ORIGIN
+    # No origin is allowed by default.
+    r = httpx.get(default_server.base_url + "/v1/models", headers={"Origin": ORIGIN})
+    assert "access-control-allow-origin" not in r.headers
+
+
+# --- request ids (item 4) ---------------------------------------------------------------
+
+
+def test_request_id_headers_are_echoed_or_made_up(http):
+    r = http.get("/v1/models")
+    assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
+    assert (
+        http.get("/v1/models", headers={"X-Request-Id": "mine"}).headers["x-request-id"] == "mine"
+    )
+    r = http.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"X-Request-Id": "r1"}
+    )
+    assert r.headers["x-request-id"] == "r1" and r.json()["id"] == "cmpl-r1"
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "request_id": "b1"})
+    assert r.headers["x-request-id"] == "b1"
+    r, _ = post_stream(
+        http, "/v1/completions", {"prompt": "x", "max_tokens": 1}, headers={"X-Request-Id": "s1"}
+    )
+    assert r.headers["x-request-id"] == "s1"
+    # An id that is no valid header value is still echoed, safely.
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "request_id": "é\n1"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "%C3%A9%0A1"
+    r = http.post("/v1/completions", json={"prompt": "x", "n": 0})
+    assert_error(r, 400) and re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
+
+
+# --- usage details, logprob limits, defaults (item 4) -------------------------------------
+
+
+def test_cached_prompt_tokens_are_reported(client):
+    kwargs = dict(model=MODEL, prompt=[70] * 40, max_tokens=1)
+    first = client.completions.create(**kwargs)
+    assert first.usage.prompt_tokens_details is None  # nothing cached yet
+    second = client.completions.create(**kwargs)
+    assert second.usage.prompt_tokens_details.cached_tokens == 32  # two full blocks
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+
+
+def test_max_logprobs_is_the_servers_limit(client, http):
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=1, logprobs=5)
+    assert r.choices[0].logprobs is not None
+    for path, body, param in [
+        ("/v1/completions", {"prompt": "x", "logprobs": 6}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 6}, "prompt_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "u", "content": "x"}], "logprobs": True, "top_logprobs": 6},
+            "logprobs",
+        ),
+    ]:
+        assert_error(http.post(path, json=body), 400, param, ["6", "--max-logprobs 5"])
+
+
+def test_generation_config_supplies_defaults_that_requests_override(client):
+    kwargs = dict(model=MODEL, prompt="abc", max_tokens=12, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(**kwargs, temperature=0).choices[0].text
+    defaults = {client.completions.create(**kwargs).choices[0].text for _ in range(3)}
+    assert defaults == {greedy}  # generation_config.json says temperature 0.0
+    sampled = {
+        client.completions.create(**kwargs, temperature=1.0, seed=s).choices[0].text
+        for s in range(3)
+    }
+    assert len(sampled) > 1
+
+
+# --- routes behind flags (item 1) -----------------------------------------------------------
+
+
+def test_tokenizer_info_describes_the_tokenizer(http):
+    info = http.get("/tokenizer_info").json()
+    assert isinstance(info["tokenizer_class"], str) and info["tokenizer_class"]
+    assert info["model_max_length"] >= MAX_MODEL_LEN
+    assert info["eos_token"] == "<|im_end|>"
+    assert info["chat_template"]
+
+
+def test_metrics_prefix_vllm_gives_vllms_names(http):
+    http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    text = httpx.get(str(http.base_url) + "/metrics").text
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
+    assert "vllm:num_requests_running" in names
+    assert "vllm:time_to_first_token_seconds_count" in names
+    assert "vllm:request_success_total" in names
+    assert not any(n.startswith("zserve:") for n in names)
+
+
+def test_load_counts_requests_in_flight(server, http):
+    assert http.get("/load").json() == {"server_load": 0}
+    stop = threading.Event()
+
+    def stream(i: int) -> None:
+        body = {"prompt": [80 + i] * 4, "max_tokens": 900, "ignore_eos": True, "stream": True}
+        with httpx.stream(
+            "POST", server.base_url + "/v1/completions", json=body, headers=AUTH, timeout=60
+        ) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    break
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: http.get("/load").json()["server_load"] == 2, what="load 2")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    wait_for(lambda: http.get("/load").json()["server_load"] == 0, what="load back to 0")
+    # A stream that runs to its end is released too.
+    _, sse = post_stream(http, "/v1/completions", {"prompt": "x", "max_tokens": 3})
+    assert sse.done and http.get("/load").json() == {"server_load": 0}
+    assert engine_stats(server, AUTH)["num_running"] == 0
+
+
+# --- chat templates (item 3) -------------------------------------------------------------
+
+
+def test_the_chat_template_flag_replaces_the_models_template(http, client):
+    messages = [{"role": "user", "content": "hi"}]
+    tokens = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert bytes(tokens).decode() == "[user]hi[assistant]"
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert r.usage.prompt_tokens == len("[user]hi[assistant]")
+
+
+def test_a_trusted_request_may_bring_its_own_template(client):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=1,
+        extra_body={"chat_template": "{{ messages[0].content }}!"},
+    )
+    assert r.usage.prompt_tokens == len("hello!")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=1,
+            extra_body={"chat_template": "{% for %}"},
+        )
+    assert e.value.body["param"] == "messages" and "template" in e.value.body["message"]
+
+
+# --- logs (item 8) ---------------------------------------------------------------------
+
+
+def test_disabled_request_and_stats_logs_stay_quiet(server, http):
+    # The stats line comes every 10 s while there is traffic: make sure a window passed.
+    while time.monotonic() - server.started_at < 12:
+        http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        time.sleep(0.5)
+    log = server.log()
+    assert "zserve.stats" not in log
+    assert not re.search(r"zserve\.api: request \S+: \d+ choice", log)
+    assert "Traceback" not in log

@@ -1,0 +1,260 @@
+"""Issue 4, item 5 as a property: whatever JSON (or non-JSON) a client posts to any POST
+route, the answer is never a 5xx, every 4xx carries the error body, every stream ends
+with [DONE] and no error event, and the server keeps answering."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from e2e_http import MODEL, assert_error_body, parse_sse
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.timeout(240)
+
+ROUTES = [
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/tokenize",
+    "/detokenize",
+    "/invocations",
+    "/ping",
+]
+SETTINGS = dict(
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+# --- values -----------------------------------------------------------------------------
+
+EDGE = st.sampled_from(
+    [
+        -1,
+        0,
+        1,
+        2**31,
+        2**63 - 1,
+        2**63,
+        -(2**63) - 1,
+        2**64,
+        10**30,
+        -(10**30),
+        1e308,
+        -1e308,
+        1e-320,
+        0.5,
+        -0.0,
+        "",
+        " ",
+        "\u0000",
+        "🙂" * 3,
+        "\ud7ff\ue000",
+        "x" * 5000,
+        "é" * 200_000,
+        "<|im_start|>",
+        "é\n\r\t",
+        [],
+        {},
+        [[]],
+        [None],
+        True,
+        False,
+    ]
+)
+LEAF = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.integers(min_value=-5, max_value=400)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=30)
+    | EDGE
+)
+JSON = st.recursive(
+    LEAF,
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5)
+    ),
+    max_leaves=20,
+)
+TOKEN_IDS = st.lists(st.integers(min_value=-3, max_value=330), max_size=12)
+MESSAGE = st.fixed_dictionaries(
+    {},
+    optional={
+        "role": st.sampled_from(["user", "assistant", "system", "tool", ""]) | LEAF,
+        "content": st.text(max_size=40)
+        | st.lists(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["text", "image_url", "input_audio", "x"]) | LEAF},
+                optional={"text": st.text(max_size=20) | LEAF, "image_url": JSON},
+            ),
+            max_size=3,
+        )
+        | JSON,
+        "name": LEAF,
+        "tool_calls": JSON,
+    },
+)
+# Generation size is bounded (valid values only small) so the property runs in seconds.
+SMALL = st.integers(min_value=-3, max_value=8)
+SIZE_FIELDS = {"max_tokens", "max_completion_tokens", "min_tokens", "n"}
+
+
+# Plausible values of every field (often valid, sometimes not); junk() adds anything.
+FIELDS: dict[str, st.SearchStrategy] = {
+    "model": st.sampled_from([MODEL, "tiny-alias", "", "gpt-4"]),
+    "prompt": st.text(max_size=40)
+    | TOKEN_IDS
+    | st.lists(st.text(max_size=10), max_size=4)
+    | st.lists(TOKEN_IDS, max_size=3),
+    "messages": st.lists(MESSAGE, max_size=4),
+    "tokens": TOKEN_IDS,
+    "max_tokens": SMALL,
+    "max_completion_tokens": SMALL,
+    "min_tokens": SMALL,
+    "n": st.integers(min_value=-1, max_value=3),
+    "temperature": st.floats(min_value=-1, max_value=3),
+    "top_p": st.floats(min_value=-0.5, max_value=1.5),
+    "top_k": st.integers(min_value=-3, max_value=400),
+    "min_p": st.floats(min_value=-0.5, max_value=1.5),
+    "presence_penalty": st.floats(min_value=-3, max_value=3),
+    "frequency_penalty": st.floats(min_value=-3, max_value=3),
+    "repetition_penalty": st.floats(min_value=-1, max_value=3),
+    "seed": st.integers(),
+    "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=3),
+    "stop_token_ids": TOKEN_IDS,
+    "include_stop_str_in_output": st.booleans(),
+    "ignore_eos": st.booleans(),
+    "logit_bias": st.dictionaries(
+        st.integers(min_value=-3, max_value=330).map(str) | st.text(max_size=4),
+        st.floats(allow_nan=False, allow_infinity=False) | LEAF,
+        max_size=3,
+    ),
+    "allowed_token_ids": TOKEN_IDS,
+    "logprobs": st.integers(min_value=-2, max_value=22) | st.booleans(),
+    "top_logprobs": st.integers(min_value=-2, max_value=22),
+    "prompt_logprobs": st.integers(min_value=-2, max_value=22),
+    "echo": st.booleans(),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries(
+        {}, optional={"include_usage": LEAF, "continuous_usage_stats": LEAF}
+    ),
+    "suffix": st.text(max_size=4),
+    "best_of": SMALL,
+    "skip_special_tokens": st.booleans(),
+    "priority": st.integers(min_value=-2, max_value=2),
+    "request_id": st.text(max_size=20),
+    "return_token_ids": st.booleans(),
+    "return_tokens_as_token_ids": st.booleans(),
+    "truncate_prompt_tokens": st.integers(min_value=-2, max_value=1100),
+    "add_special_tokens": st.booleans(),
+    "add_generation_prompt": st.booleans(),
+    "continue_final_message": st.booleans(),
+    "chat_template": st.sampled_from(["{{ messages }}", "{% for %}", "{{ 1/0 }}"]),
+    "chat_template_kwargs": st.dictionaries(
+        st.sampled_from(["enable_thinking", "tools", "documents", "x", "tokenize"]), JSON
+    ),
+    "response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "bogus"]) | LEAF},
+        optional={"json_schema": JSON},
+    ),
+    "tools": JSON,
+    "tool_choice": st.sampled_from(["none", "auto", "required"]),
+    "return_token_strs": st.booleans(),
+    "use_beam_search": st.booleans(),
+    "structured_outputs": JSON,
+}
+# What each route needs to get past the first check, most of the time.
+BASES = {
+    "/v1/completions": {"prompt": "hi"},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    "/tokenize": {"prompt": "hi"},
+    "/detokenize": {"tokens": [104, 105]},
+    "/invocations": {"prompt": "hi"},
+    "/ping": {},
+}
+
+
+def junk(name: str) -> st.SearchStrategy:
+    if name in SIZE_FIELDS:  # never a large valid size (nor null: chat's default is huge)
+        return FIELDS[name] | EDGE.filter(lambda v: v is not None)
+    return FIELDS[name] | EDGE | JSON
+
+
+@st.composite
+def field_bodies(draw) -> tuple[str, dict]:
+    """A route's minimal body (most of the time) plus a few fields: in half the cases
+    with plausible values only, otherwise with anything."""
+    route = draw(st.sampled_from(ROUTES))
+    body = dict(BASES[route]) if draw(st.integers(0, 3)) else {}
+    wild = draw(st.booleans())
+    names = draw(st.lists(st.sampled_from(sorted(FIELDS)), min_size=1, max_size=6, unique=True))
+    for name in names:
+        body[name] = draw(junk(name) if wild else FIELDS[name])
+    if "messages" in body and not {"max_tokens", "max_completion_tokens"} & body.keys():
+        body["max_tokens"] = 4  # chat's default is the whole context: too slow here
+    return route, body
+
+
+# --- the property ------------------------------------------------------------------------
+
+
+def check(http: httpx.Client, route: str, content: bytes, content_type: str) -> None:
+    r = http.post(route, content=content, headers={"content-type": content_type})
+    assert r.status_code < 500, (route, content[:300], r.status_code, r.text[:500])
+    if route == "/ping":
+        assert r.status_code == 200
+        return
+    if r.status_code >= 400:
+        assert r.headers["content-type"].startswith("application/json"), r.headers
+        assert_error_body(r.json(), r.status_code)
+        return
+    assert r.status_code == 200, (route, content[:300], r.status_code, r.text[:300])
+    if r.headers["content-type"].startswith("text/event-stream"):
+        sse = parse_sse(r.text)
+        assert sse.done, r.text[-300:]
+        assert not any("error" in e for e in sse.events), (content[:300], r.text[-500:])
+    else:
+        assert isinstance(r.json(), dict)
+
+
+@pytest.fixture(scope="module")
+def fuzz_http(default_server):
+    with httpx.Client(base_url=default_server.base_url, timeout=60) as c:
+        yield c
+    # Afterwards the server still serves ordinary requests.
+    assert httpx.get(default_server.base_url + "/health", timeout=10).status_code == 200
+    r = httpx.post(
+        default_server.base_url + "/v1/completions",
+        json={"prompt": "hello", "max_tokens": 3},
+        timeout=30,
+    )
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(route=st.sampled_from(ROUTES), body=JSON)
+def test_any_json_value_gets_an_answer_that_is_not_a_5xx(fuzz_http, route, body):
+    check(fuzz_http, route, json.dumps(body).encode(), "application/json")
+
+
+@settings(max_examples=1500, **SETTINGS)
+@given(case=field_bodies())
+def test_known_fields_with_any_values_get_an_answer_that_is_not_a_5xx(fuzz_http, case):
+    route, body = case
+    check(fuzz_http, route, json.dumps(body).encode(), "application/json")
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(
+    route=st.sampled_from(ROUTES),
+    content=st.binary(max_size=300) | st.text(max_size=100).map(str.encode),
+    content_type=st.sampled_from(
+        ["application/json", "application/json; charset=utf-8", "text/plain", ""]
+    ),
+)
+def test_malformed_bodies_get_an_answer_that_is_not_a_5xx(fuzz_http, route, content, content_type):
+    check(fuzz_http, route, content, content_type)
