@@ -22,5 +22,6 @@ class EngineConfig:
     seed: int = 0
     cpu_threads: int | None = None  # None: usable cores // local engines
     model_impl: str = "auto"  # auto | native | transformers
+    max_logprobs: int = 20  # -1: the whole vocabulary
     data_parallel_rank: int = 0
     data_parallel_size_local: int = 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 
 import torch
 
@@ -16,6 +17,7 @@ from engine_core.sampler import Sampler
 from engine_core.scheduler import Scheduler, SchedulerOutput
 from engine_core.validation import validate_request
 from protocol.messages import (
+    ITERATION_TOKEN_BUCKETS,
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
@@ -67,6 +69,8 @@ class EngineCore:
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         self.step_time_s = 0.0
+        self.iteration_tokens_sum = 0
+        self.iteration_tokens_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         logger.info(
             "engine ready: %s (%s) on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
             info.architecture, self.runner.model_impl, self.device, self.dtype,
@@ -78,7 +82,7 @@ class EngineCore:
         try:
             if request.request_id in self.requests:
                 raise ValueError(f"request id {request.request_id!r} is already running")
-            validate_request(request, self.vocab_size)
+            validate_request(request, self.vocab_size, self.config.max_logprobs)
             self._check_fits(request)
             state = Request(request, self.eos_token_ids)
         except Exception as e:  # a bad request must never take the engine down
@@ -163,11 +167,17 @@ class EngineCore:
             offset += n
 
     def _count_tokens(self, plan: SchedulerOutput) -> None:
+        prompt_now = 0
         for request, n in zip(plan.requests, plan.num_tokens):
             prompt_left = request.prompt_len - request.num_computed_tokens
             if prompt_left > 0:
-                self.prompt_tokens_computed += min(n, prompt_left)
+                prompt_now += min(n, prompt_left)
+        self.prompt_tokens_computed += prompt_now
         self.generation_tokens += len(plan.sampling)
+        # vLLM's meaning of "iteration tokens": prompt tokens computed plus tokens generated.
+        step_tokens = prompt_now + len(plan.sampling)
+        self.iteration_tokens_sum += step_tokens
+        self.iteration_tokens_counts[bisect_left(ITERATION_TOKEN_BUCKETS, step_tokens)] += 1
 
     def _outputs(self, sampled: list[Request]) -> dict[int, list[EngineCoreOutput]]:
         # Hot path: one small Struct per request per step.
@@ -208,4 +218,6 @@ class EngineCore:
             prompt_tokens_computed=self.prompt_tokens_computed,
             generation_tokens=self.generation_tokens,
             step_time_s=self.step_time_s,
+            iteration_tokens_sum=self.iteration_tokens_sum,
+            iteration_tokens_counts=list(self.iteration_tokens_counts),
         )

@@ -6,7 +6,6 @@ import math
 
 from protocol.messages import EngineCoreRequest
 
-MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 
 
@@ -21,8 +20,10 @@ def _between(field: str, value: float, low: float, high: float) -> None:
         raise ValueError(f"{field} must be between {low} and {high}; got {value!r}")
 
 
-def validate_request(request: EngineCoreRequest, vocab_size: int) -> None:
-    """Raise ValueError naming the field and its limit."""
+def validate_request(request: EngineCoreRequest, vocab_size: int, max_logprobs: int = 20) -> None:
+    """Raise ValueError naming the field and its limit (max_logprobs -1: the vocabulary)."""
+    if max_logprobs < 0:
+        max_logprobs = vocab_size
     p = request.sampling_params
     if not request.prompt_token_ids:
         raise ValueError("prompt_token_ids must not be empty")
@@ -52,8 +53,8 @@ def validate_request(request: EngineCoreRequest, vocab_size: int) -> None:
         for value in p.logit_bias.values():
             _between("logit_bias values", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
     for field, n in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
-        if n is not None and not 0 <= n <= MAX_LOGPROBS:
-            raise ValueError(f"{field} must be in 0..{MAX_LOGPROBS}; got {n}")
+        if n is not None and not 0 <= n <= max_logprobs:
+            raise ValueError(f"{field} must be in 0..{max_logprobs} (--max-logprobs); got {n}")
     if p.allowed_token_ids is not None:
         if not p.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty when given")

@@ -26,6 +26,7 @@ class FrontendConfig:
     trust_request_chat_template: bool = False
     enable_request_id_headers: bool = False
     enable_prompt_tokens_details: bool = False
+    force_include_usage: bool = False  # a usage chunk ends every stream
     enable_tokenizer_info_endpoint: bool = False
     enable_server_load_tracking: bool = False
     disable_fastapi_docs: bool = False

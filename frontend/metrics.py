@@ -20,11 +20,16 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from frontend.engine_client import EngineClient
 from frontend.generation import Choice, Generation
+from protocol.messages import ITERATION_TOKEN_BUCKETS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -160,6 +165,11 @@ class Metrics:
         self.max_tokens_param = histogram(
             "request_params_max_tokens", "max_tokens per request.", tokens
         )
+        self.max_generation = histogram(
+            "request_max_num_generation_tokens",
+            "The most tokens any sequence of a request generated.",
+            tokens,
+        )
         self.n_param = histogram("request_params_n", "n per request.", [1, 2, 5, 10, 20])
         self._itl = self.itl.labels(model_name)
         self.prompt_tokens = Counter(
@@ -179,6 +189,27 @@ class Metrics:
             "API-server processes restarted by the supervisor.",
             registry=registry,
         )
+        # Every series exists from the start (at zero), as dashboards expect.
+        for metric in (
+            self.ttft,
+            self.itl,
+            self.tpot,
+            self.e2e,
+            self.queue,
+            self.inference,
+            self.prefill,
+            self.decode,
+            self.prompt_tokens_hist,
+            self.generation_tokens_hist,
+            self.max_tokens_param,
+            self.max_generation,
+            self.n_param,
+            self.prompt_tokens,
+            self.generation_tokens,
+        ):
+            metric.labels(model_name)
+        for reason in ("stop", "length", "abort", "error"):
+            self.success.labels(model_name, reason)
         if multiprocess:
             MultiProcessCollector(self.registry)
         self.registry.register(_EngineCollector(self))
@@ -195,6 +226,7 @@ class Metrics:
             self._observe_choice(choice, gen.arrival_time, finished)
         self.prompt_tokens.labels(name).inc(gen.num_prompt_tokens)
         self.n_param.labels(name).observe(params_n)
+        self.max_generation.labels(name).observe(max(c.num_generated for c in gen.choices))
 
     def _observe_choice(self, c: Choice, arrival: float, finished: float) -> None:
         name = self.model_name
@@ -249,9 +281,30 @@ class _EngineCollector:
             p + "prefix_cache_hits", "Prompt tokens found in the cache.", labels=labels
         )
         preempt = CounterMetricFamily(p + "num_preemptions", "Preemptions.", labels=labels)
+        iteration = HistogramMetricFamily(
+            p + "iteration_tokens_total", "Tokens per engine step.", labels=labels
+        )
+        cache_info = GaugeMetricFamily(
+            p + "cache_config_info",
+            "The KV cache's configuration (as labels).",
+            labels=[*labels, "block_size", "num_gpu_blocks", "cache_dtype", "device"],
+        )
         for engine in self.m.client.engines:
             s = engine.stats
             values = [name, str(engine.rank)]
+            if engine.ready is not None:
+                r = engine.ready
+                cache_info.add_metric(
+                    [*values, str(r.block_size), str(r.num_kv_blocks), r.dtype, r.device], 1
+                )
+            if s.iteration_tokens_counts:
+                running_total, buckets = 0, []
+                for bound, count in zip(
+                    (*ITERATION_TOKEN_BUCKETS, "+Inf"), s.iteration_tokens_counts, strict=False
+                ):
+                    running_total += count
+                    buckets.append((str(float(bound)) if bound != "+Inf" else bound, running_total))
+                iteration.add_metric(values, buckets, s.iteration_tokens_sum)
             running.add_metric(values, s.num_running)
             waiting.add_metric(values, s.num_waiting)
             kv.add_metric(values, s.kv_cache_usage)
@@ -259,7 +312,7 @@ class _EngineCollector:
             queries.add_metric(values, s.prefix_cache_queries)
             hits.add_metric(values, s.prefix_cache_hits)
             preempt.add_metric(values, s.num_preemptions)
-        yield from (running, waiting, kv, blocks, queries, hits, preempt)
+        yield from (running, waiting, kv, blocks, queries, hits, preempt, iteration, cache_info)
 
 
 def multiprocess_dir() -> str | None:

@@ -84,7 +84,7 @@ def check_logprobs(value: int | None, field: str, max_logprobs: int) -> None:
         return
     if value < 0:
         raise APIError(f"{field} must be >= 0, got {value}", param=field)
-    if value > max_logprobs:
+    if 0 <= max_logprobs < value:  # -1: the whole vocabulary
         raise APIError(
             f"{field} is {value}, more than this server allows (--max-logprobs {max_logprobs})",
             param=field,

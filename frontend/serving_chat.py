@@ -222,19 +222,19 @@ class _ChatView:
         return chunk
 
     def _stream_choices(self, d: ChoiceDelta) -> list[dict]:
-        """One delta as chunk choices: the role chunk first for a new choice, then its
-        content; nothing while its text is held back (its logprobs wait)."""
+        """One delta as chunk choices: the role chunk first for a new choice (with its
+        first token, never before), then one content chunk per token, as vLLM streams,
+        even when the token's text is still held back."""
         pending = self.pending_logprobs[d.index]
         pending_ids = self.pending_ids[d.index]
         pending_ids.extend(d.token_ids)
         if self.body.logprobs and d.logprobs is not None:
             pending.extend(self._logprobs(d.logprobs))
         text = d.text
-        if not text and not d.finish_reason:
+        if not text and not d.finish_reason and not pending_ids:
             return []
         out = []
         if d.index not in self.started:
-            # The role chunk goes out with the first text, never before it.
             self.started.add(d.index)
             out.append(
                 {
@@ -262,8 +262,8 @@ class _ChatView:
 
     async def events(self):
         opts = self.body.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = include_usage and bool(opts.continuous_usage_stats)
+        include_usage = bool(opts and opts.include_usage) or self.ctx.config.force_include_usage
+        continuous = include_usage and bool(opts and opts.continuous_usage_stats)
         keep_alive = self.ctx.config.sse_keep_alive_interval or None
         async for batch in self.gen.deltas(keep_alive, self.ctx.config.stream_interval):
             if not batch:

@@ -166,8 +166,9 @@ class _CompletionView:
         }
 
     def _stream_choice(self, d: ChoiceDelta) -> dict | None:
-        """One delta as a chunk's choice, or None when it shows nothing yet (a partial
-        character, a held-back stop); its logprobs then wait for the next chunk."""
+        """One delta as a chunk's choice: one event per token, as vLLM streams, even
+        when its text is still held back (a partial character, a possible stop
+        string); None only when the delta carries nothing at all."""
         first = d.index not in self.started
         self.started.add(d.index)
         text = self._prefix(d.index) if first else ""
@@ -177,7 +178,7 @@ class _CompletionView:
             pending_ids.extend(d.token_ids)
             if self.logprobs is not None and d.logprobs is not None:
                 self.logprobs[d.index].add(d.logprobs)
-        if not text and not d.finish_reason:
+        if not text and not d.finish_reason and not pending_ids:
             return None
         choice = {
             "index": d.index,
@@ -196,8 +197,8 @@ class _CompletionView:
 
     async def events(self):
         opts = self.body.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = include_usage and bool(opts.continuous_usage_stats)
+        include_usage = bool(opts and opts.include_usage) or self.ctx.config.force_include_usage
+        continuous = include_usage and bool(opts and opts.continuous_usage_stats)
         keep_alive = self.ctx.config.sse_keep_alive_interval or None
         async for batch in self.gen.deltas(keep_alive, self.ctx.config.stream_interval):
             if not batch:

@@ -48,14 +48,9 @@ def _non_negative(text: str) -> float:
 
 
 def _max_logprobs(text: str) -> int:
-    from engine_core.validation import MAX_LOGPROBS  # no torch behind it
-
     value = int(text)
-    if not 0 <= value <= MAX_LOGPROBS:
-        # A larger limit would let requests past the API that the engine then refuses.
-        raise argparse.ArgumentTypeError(
-            f"must be in 0..{MAX_LOGPROBS} (the most the engine returns), got {value}"
-        )
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"must be -1 (the whole vocabulary) or >= 0, got {value}")
     return value
 
 
@@ -160,7 +155,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-logprobs",
         type=_max_logprobs,
         default=20,
-        help="most logprobs / top_logprobs / prompt_logprobs a request may ask for",
+        help="most logprobs / top_logprobs / prompt_logprobs a request may ask for "
+        "(-1: the whole vocabulary)",
     )
     g.add_argument(
         "--chat-template",
@@ -179,6 +175,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--enable-prompt-tokens-details",
         action="store_true",
         help="report usage.prompt_tokens_details.cached_tokens",
+    )
+    g.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="end every stream with a usage chunk, as if stream_options.include_usage were set",
     )
     g.add_argument("--enable-tokenizer-info-endpoint", action="store_true")
     g.add_argument(

@@ -91,6 +91,7 @@ def engine_config(args: argparse.Namespace, model_dir: str, local_engines: int) 
         seed=args.seed,
         cpu_threads=engine_threads(args, local_engines),
         model_impl="native" if args.model_impl == "vllm" else args.model_impl,
+        max_logprobs=args.max_logprobs,
         data_parallel_size_local=max(local_engines, 1),
     )
 
@@ -118,6 +119,7 @@ def frontend_config(args: argparse.Namespace, model_dir: str, tokenizer_dir: str
         trust_request_chat_template=args.trust_request_chat_template,
         enable_request_id_headers=args.enable_request_id_headers,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        force_include_usage=args.enable_force_include_usage,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         enable_server_load_tracking=args.enable_server_load_tracking,
         disable_fastapi_docs=args.disable_fastapi_docs,
@@ -450,7 +452,7 @@ class Supervisor:
                 if ready is child.pipe:
                     self._on_api_message(child)
                 elif child in self.engines:
-                    child.process.join(0)
+                    child.process.join(1)  # reap it, so its exit code is known
                     return self._engine_failed(
                         child.info.get("rank", -1),
                         f"{child.name} (pid {child.process.pid}) died with exit code "

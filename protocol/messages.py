@@ -101,6 +101,13 @@ class SchedulerStats(_Wire):
     prompt_tokens_computed: int = 0
     generation_tokens: int = 0
     step_time_s: float = 0.0
+    # Tokens per step as a cumulative histogram: counts per ITERATION_TOKEN_BUCKETS
+    # upper bound, then one for larger steps.
+    iteration_tokens_sum: int = 0
+    iteration_tokens_counts: list[int] = []
+
+
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class EngineCoreOutput(_Wire):

@@ -59,6 +59,7 @@ def server(flags_model, tmp_path_factory):
         "--api-key", KEY,
         "--enable-request-id-headers",
         "--enable-prompt-tokens-details",
+        "--enable-force-include-usage",
         "--enable-tokenizer-info-endpoint",
         "--enable-server-load-tracking",
         "--allowed-origins", json.dumps([ORIGIN]),
@@ -207,6 +208,16 @@ def test_cached_prompt_tokens_are_reported(client):
         client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
     )
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+
+
+def test_force_include_usage_ends_every_stream_with_usage(client):
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="abc", max_tokens=3, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+    assert all(c.usage is None for c in chunks[:-1])
 
 
 def test_max_logprobs_is_the_servers_limit(client, http):

@@ -252,11 +252,6 @@ def test_metrics_is_prometheus_text_with_vllms_names_under_zserve(http):
     assert slash.status_code == 200
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not exported yet: needs frontend/metrics.py (and engine step stats for "
-    "iteration_tokens), which issue 4's work may not edit",
-)
 def test_metrics_has_the_iteration_cache_config_and_max_generation_series(http):
     text = http.get("/metrics").text
     for name in [
@@ -300,6 +295,10 @@ def test_metrics_count_ten_requests_like_vllm(http):
     assert delta("prompt_tokens_total") == n_req * prompt_len
     assert delta("generation_tokens_total") == n_req * out
     assert delta("request_success_total") == n_req
+    assert delta("request_max_num_generation_tokens_count") == n_req
+    # per engine step: a prefill step computes P prompt tokens and makes 1; decodes make 1
+    assert delta("iteration_tokens_total_count") == n_req * out
+    assert delta("iteration_tokens_total_sum") == n_req * (prompt_len + out)
 
 
 def test_metrics_engine_gauges_follow_running_requests(default_server, http):

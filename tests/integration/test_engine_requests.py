@@ -10,6 +10,7 @@ from engine_oracle import SMALL_KV, greedy, make_prompts, request
 
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
+from engine_core.llm import LLM
 from engine_core.model_loader import SUPPORTED_ARCHITECTURES
 from protocol.messages import FinishReason, SamplingParams
 
@@ -209,3 +210,16 @@ def test_unsupported_architecture_is_refused_with_the_supported_list(tiny_model,
     assert "GPT2LMHeadModel" in str(err.value)
     for arch in SUPPORTED_ARCHITECTURES:
         assert arch in str(err.value)
+
+
+def test_the_logprob_limit_is_the_servers_max_logprobs(tiny_model):
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=25)
+    strict = LLM(str(tiny_model("llama")), kv_cache_memory_bytes=SMALL_KV)
+    (refused,) = strict.generate([[1, 2, 3]], params)
+    assert refused.error and "0..20" in refused.error
+    generous = LLM(str(tiny_model("llama")), kv_cache_memory_bytes=SMALL_KV, max_logprobs=30)
+    (result,) = generous.generate([[1, 2, 3]], params)
+    assert result.error is None and len(result.logprobs.token_ids[0]) == 26  # chosen + 25
+    everything = LLM(str(tiny_model("llama")), kv_cache_memory_bytes=SMALL_KV, max_logprobs=-1)
+    (result,) = everything.generate([[1, 2, 3]], SamplingParams(max_tokens=1, logprobs=300))
+    assert result.error is None
