@@ -24,12 +24,11 @@ from pathlib import Path
 import httpx
 
 from benchmarks.client import Endpoint
-from benchmarks.datasets import DatasetConfig, build_requests
+from benchmarks.datasets import SampleRequest
 from benchmarks.load import LoadPlan, run_load
 from benchmarks.serve import run_async
 from benchmarks.serve_args import int_list
 from benchmarks.stats import compute_metrics
-from benchmarks.tokenizer import BenchTokenizer
 
 
 @dataclass
@@ -88,26 +87,23 @@ class _Server:
         self.log.close()
 
 
+def _requests(n: int, output_len: int) -> list[SampleRequest]:
+    """Eight ASCII characters: eight tokens with the tiny byte-level tokenizer."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return [
+        SampleRequest(
+            prompt="".join(letters[(i + j) % 26] for j in range(8)),
+            prompt_len=8,
+            output_len=output_len,
+        )
+        for i in range(n)
+    ]
+
+
 def _measure(
-    name: str,
-    api_servers: int,
-    port: int,
-    model: str,
-    tok: BenchTokenizer,
-    concurrency: int,
-    args: argparse.Namespace,
+    name: str, api_servers: int, port: int, model: str, concurrency: int, args: argparse.Namespace
 ) -> Row:
-    requests = build_requests(
-        DatasetConfig(
-            name="random",
-            num_prompts=max(concurrency * args.rounds, 64),
-            seed=0,
-            random_input_len=8,
-            random_output_len=args.output_len,
-            random_range_ratio=0.0,
-        ),
-        tok,
-    )
+    requests = _requests(max(concurrency * args.rounds, 64), args.output_len)
     endpoint = Endpoint(
         api_url=f"http://127.0.0.1:{port}/v1/completions",
         model=model,
@@ -167,7 +163,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     model_dir = _tiny_model(args.model)
-    tok = BenchTokenizer.load(model_dir)
     rows: list[Row] = []
     if not args.skip_bare:
         port = _free_port()
@@ -176,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         )
         try:
             for c in args.concurrency:
-                rows.append(_measure("bare-starlette", 1, port, "bare-sse", tok, c, args))
+                rows.append(_measure("bare-starlette", 1, port, "bare-sse", c, args))
                 print(_format([rows[-1]], header=len(rows) == 1), flush=True)
         finally:
             server.stop()
@@ -211,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         )
         try:
             for c in args.concurrency:
-                rows.append(_measure("zserve", n, port, "tiny", tok, c, args))
+                rows.append(_measure("zserve", n, port, "tiny", c, args))
                 print(_format([rows[-1]], header=len(rows) == 1), flush=True)
         finally:
             server.stop()
