@@ -344,3 +344,33 @@ def header_safe(value: str) -> str:
 
 def json_response(payload: dict, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(payload), media_type="application/json", headers=headers)
+
+
+class StreamingView:
+    """The SSE loop completions and chat share; a view supplies `_stream_choices(delta)`
+    (the chunk choices of one delta), `_chunk(choices, usage)` and `_usage()`."""
+
+    ctx: ServingContext
+    gen: Generation
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """Hot path: one chunk per token (per --stream-interval tokens)."""
+        opts = self.body.stream_options
+        include_usage = bool(opts and opts.include_usage) or self.ctx.config.force_include_usage
+        continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+        config = self.ctx.config
+        async for batch in self.gen.deltas(
+            config.sse_keep_alive_interval or None, config.stream_interval
+        ):
+            if not batch:
+                yield sse.KEEP_ALIVE
+                continue
+            out = []
+            for d in batch:
+                for choice in self._stream_choices(d):
+                    usage_ = self._usage() if continuous else None
+                    out.append(sse.event(self._chunk([choice], usage_)))
+            if out:
+                yield b"".join(out)
+        if include_usage:
+            yield sse.event(self._chunk([], self._usage()))

@@ -8,13 +8,12 @@ from jinja2 import TemplateError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend import sse
 from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
 from frontend.logprobs import chat_logprobs, prompt_logprobs
 from frontend.openai_models import ChatCompletionRequest, ChatMessage
 from frontend.sampling import build_sampling_params, check_prompt_length, truncate_prompt
-from frontend.serving import ServingContext, json_response
+from frontend.serving import ServingContext, StreamingView, json_response
 from frontend.usage import usage
 
 
@@ -178,7 +177,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     return json_response(view.response(), headers)
 
 
-class _ChatView:
+class _ChatView(StreamingView):
     """Shapes one chat generation into OpenAI chunks or a response."""
 
     def __init__(
@@ -259,25 +258,6 @@ class _ChatView:
         pending_ids.clear()
         out.append(choice)
         return out
-
-    async def events(self):
-        opts = self.body.stream_options
-        include_usage = bool(opts and opts.include_usage) or self.ctx.config.force_include_usage
-        continuous = include_usage and bool(opts and opts.continuous_usage_stats)
-        keep_alive = self.ctx.config.sse_keep_alive_interval or None
-        async for batch in self.gen.deltas(keep_alive, self.ctx.config.stream_interval):
-            if not batch:
-                yield sse.KEEP_ALIVE
-                continue
-            out = []
-            for d in batch:
-                for choice in self._stream_choices(d):
-                    usage_ = self._usage() if continuous else None
-                    out.append(sse.event(self._chunk([choice], usage_)))
-            if out:
-                yield b"".join(out)
-        if include_usage:
-            yield sse.event(self._chunk([], self._usage()))
 
     def response(self) -> dict:
         body = self.body

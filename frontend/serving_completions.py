@@ -7,7 +7,6 @@ import time
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend import sse
 from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
 from frontend.logprobs import CompletionLogprobs, prompt_logprobs
@@ -18,7 +17,7 @@ from frontend.sampling import (
     check_token_ids,
     truncate_prompt,
 )
-from frontend.serving import ServingContext, json_response
+from frontend.serving import ServingContext, StreamingView, json_response
 from frontend.usage import usage
 
 
@@ -98,7 +97,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     return json_response(view.response(), headers)
 
 
-class _CompletionView:
+class _CompletionView(StreamingView):
     """Shapes one completion generation into OpenAI chunks or a response."""
 
     def __init__(
@@ -165,10 +164,10 @@ class _CompletionView:
             "usage": usage_,
         }
 
-    def _stream_choice(self, d: ChoiceDelta) -> dict | None:
+    def _stream_choices(self, d: ChoiceDelta) -> list[dict]:
         """One delta as a chunk's choice: one event per token, as vLLM streams, even
         when its text is still held back (a partial character, a possible stop
-        string); None only when the delta carries nothing at all."""
+        string); nothing only when the delta carries nothing at all."""
         first = d.index not in self.started
         self.started.add(d.index)
         text = self._prefix(d.index) if first else ""
@@ -179,7 +178,7 @@ class _CompletionView:
             if self.logprobs is not None and d.logprobs is not None:
                 self.logprobs[d.index].add(d.logprobs)
         if not text and not d.finish_reason and not pending_ids:
-            return None
+            return []
         choice = {
             "index": d.index,
             "text": text,
@@ -193,27 +192,7 @@ class _CompletionView:
             choice["prompt_token_ids"] = None if shown else self.gen.choices[d.index].prompt_ids
         self.shown.add(d.index)
         pending_ids.clear()
-        return choice
-
-    async def events(self):
-        opts = self.body.stream_options
-        include_usage = bool(opts and opts.include_usage) or self.ctx.config.force_include_usage
-        continuous = include_usage and bool(opts and opts.continuous_usage_stats)
-        keep_alive = self.ctx.config.sse_keep_alive_interval or None
-        async for batch in self.gen.deltas(keep_alive, self.ctx.config.stream_interval):
-            if not batch:
-                yield sse.KEEP_ALIVE
-                continue
-            out = []
-            for d in batch:
-                choice = self._stream_choice(d)
-                if choice is not None:
-                    usage_ = self._usage() if continuous else None
-                    out.append(sse.event(self._chunk([choice], usage_)))
-            if out:
-                yield b"".join(out)
-        if include_usage:
-            yield sse.event(self._chunk([], self._usage()))
+        return [choice]
 
     def response(self) -> dict:
         body = self.body
