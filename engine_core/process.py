@@ -24,7 +24,7 @@ from zmq.utils.monitor import recv_monitor_message
 from engine_core.process_config import EngineProcConfig
 from protocol import codec
 from protocol.handshake import EngineHello, EnginePlan, decode_handshake, encode_handshake
-from protocol.lifecycle import die_with_parent, name_process
+from protocol.lifecycle import die_with_parent, name_process, pin_to_cpus
 from protocol.logs import setup_logging
 from protocol.messages import (
     ENGINE_CORE_DEAD,
@@ -402,6 +402,7 @@ def run_engine_core(cfg: EngineProcConfig) -> int:
     setup_logging(f"engine{cfg.rank}", cfg.log_level)
     die_with_parent(cfg.parent_pid)
     name_process(f"zserve-engine{cfg.rank}")
+    pin_to_cpus(cfg.cpus)  # before torch starts its threads
     proc = EngineCoreProc(cfg)
 
     def on_signal(signum, frame):

@@ -19,3 +19,4 @@ class EngineProcConfig:
     curve: CurveKeys | None = None
     log_level: str = "INFO"
     parent_pid: int | None = None
+    cpus: list[int] | None = None  # CPU affinity (--engine-cpus)

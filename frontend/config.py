@@ -62,3 +62,4 @@ class APIServerConfig:
     parent_pid: int | None = None
     admission_path: str | None = None  # the shared admission file (see admission.py)
     restarts: int = 0  # how often the supervisor has restarted this API server
+    cpus: list[int] | None = None  # CPU affinity (--api-server-cpus)

@@ -23,7 +23,7 @@ from frontend.metrics import Metrics
 from frontend.renderer import Renderer
 from frontend.serving import ServingContext
 from frontend.stats_logger import log_stats_forever
-from protocol.lifecycle import die_with_parent, name_process
+from protocol.lifecycle import die_with_parent, name_process, pin_to_cpus
 from protocol.logs import setup_logging
 from protocol.sockets import is_ipv6
 
@@ -181,6 +181,7 @@ def run_api_server(cfg: APIServerConfig, pipe: Connection | None = None) -> None
     setup_logging(f"api{cfg.client_index}", cfg.frontend.log_level)
     die_with_parent(cfg.parent_pid)
     name_process(f"zserve-api{cfg.client_index}")
+    pin_to_cpus(cfg.cpus)
     import uvloop
 
     uvloop.install()

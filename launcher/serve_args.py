@@ -65,6 +65,20 @@ def _metrics_prefix(text: str) -> str:
     return text
 
 
+def cpu_list(text: str) -> list[int]:
+    """`0-3,6` → [0, 1, 2, 3, 6]."""
+    cpus: list[int] = []
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            cpus.extend(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a CPU list: {text!r} (e.g. 1 or 2-3,6)") from None
+    if not cpus or min(cpus) < 0:
+        raise argparse.ArgumentTypeError(f"not a CPU list: {text!r} (e.g. 1 or 2-3,6)")
+    return sorted(set(cpus))
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -145,6 +159,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="torch threads per engine (default: the usable cores minus one per local API "
         "server, shared by the local engines; at least 1)",
+    )
+    g.add_argument(
+        "--engine-cpus",
+        type=cpu_list,
+        default=None,
+        help="pin the local engines to these CPUs (e.g. 1 or 2-7), split evenly between "
+        "them (default: no pinning)",
+    )
+    g.add_argument(
+        "--api-server-cpus",
+        type=cpu_list,
+        default=None,
+        help="pin the API servers to these CPUs (e.g. 0), so they never take the engines' "
+        "cores (default: no pinning)",
     )
     g.add_argument(
         "--model-impl", default="auto", choices=["auto", "native", "vllm", "transformers"]
@@ -315,6 +343,13 @@ def refuse_unsupported(args: argparse.Namespace) -> str | None:
             f"--data-parallel-size-local {local} must be between 0 and "
             f"--data-parallel-size {args.data_parallel_size}"
         )
+    for flag, cpus in (
+        ("--engine-cpus", args.engine_cpus),
+        ("--api-server-cpus", args.api_server_cpus),
+    ):
+        missing = sorted(set(cpus or []) - set(usable_cpus()))
+        if missing:
+            return f"{flag}: CPUs {missing} are not available to this process ({usable_cpus()})"
     if args.headless and (local is None or local < 1):
         return "--headless needs --data-parallel-size-local >= 1 (engines to start here)"
     remote = local is not None and local < args.data_parallel_size
@@ -328,8 +363,12 @@ def refuse_unsupported(args: argparse.Namespace) -> str | None:
     return None
 
 
-def usable_cores() -> int:
+def usable_cpus() -> list[int]:
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
+
+
+def usable_cores() -> int:
+    return len(usable_cpus())

@@ -70,6 +70,8 @@ def engine_threads(args: argparse.Namespace, local_engines: int) -> int:
     workers wait on each other at every matmul."""
     if args.cpu_threads is not None:
         return args.cpu_threads
+    if args.engine_cpus:
+        return max(1, len(args.engine_cpus) // max(local_engines, 1))
     api_servers = 0 if args.headless else (args.api_server_count or 1)
     return max(1, (usable_cores() - api_servers) // max(local_engines, 1))
 
@@ -304,6 +306,7 @@ class Supervisor:
                 output_address=self.data_address(f"api{index}-out"),
                 parent_pid=os.getpid(),
                 admission_path=self.admission_path,
+                cpus=self.args.api_server_cpus,
             )
             self.api_servers.append(self._spawn_api_server(cfg))
         for child in self.api_servers:
@@ -336,6 +339,7 @@ class Supervisor:
                 log_level=self.args.log_level,
                 parent_pid=os.getpid(),
                 curve=self.keys,
+                cpus=_share(self.args.engine_cpus, i, self.num_local),
             )
             cfg.engine.data_parallel_rank = rank
             process = self.ctx.Process(target=procs.engine_main, args=(cfg,), name=f"engine{rank}")
@@ -534,6 +538,14 @@ class Supervisor:
 # /health 503 before the server exits.
 ENGINE_DEATH_GRACE_S = 2.0
 MAX_RESTARTS_PER_MINUTE = 5
+
+
+def _share(cpus: list[int] | None, index: int, count: int) -> list[int] | None:
+    """Engine `index` of `count`'s even share of --engine-cpus (all of them if too few)."""
+    if not cpus:
+        return None
+    per = len(cpus) // count
+    return cpus[index * per : (index + 1) * per] if per else cpus
 
 
 def raise_open_files_limit() -> None:

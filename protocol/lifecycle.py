@@ -31,3 +31,9 @@ def name_process(name: str) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def pin_to_cpus(cpus: list[int] | None) -> None:
+    """Keep this process (and the threads it starts later) on these CPUs."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import socket
 import time
 from pathlib import Path
@@ -157,3 +158,34 @@ def test_a_slow_reader_is_held_back_by_flow_control(tiny_model):
         print(f"slow reader: API server grew {grown} KiB while 1000 tokens waited unread")
         assert events == 1000  # nothing lost while the reader was slow
         assert grown < 64 * 1024
+
+
+def _allowed_cpus(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split()[1]
+    raise KeyError(pid)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two CPUs")
+def test_engine_and_api_server_cpus_are_pinned_as_asked(tiny_model):
+    cpus = sorted(os.sched_getaffinity(0))
+    with ZServe(
+        str(tiny_model("llama")),
+        "--served-model-name",
+        MODEL,
+        "--engine-cpus",
+        str(cpus[1]),
+        "--api-server-cpus",
+        str(cpus[0]),
+        "--kv-cache-memory-bytes",
+        "32MiB",
+    ) as server:
+        info = server_info(server.base_url)
+        assert _allowed_cpus(info["engines"][0]["pid"]) == str(cpus[1])
+        assert _allowed_cpus(info["pid"]) == str(cpus[0])
+        r = httpx.post(
+            server.base_url + "/v1/completions",
+            json={"model": MODEL, "prompt": "pinned", "max_tokens": 3},
+        )
+        assert r.status_code == 200
