@@ -257,6 +257,15 @@ class ServingContext:
             headers=headers,
         )
 
+    async def respond(
+        self, request: Request, generation: Generation, view: StreamingView, headers: dict
+    ) -> Response:
+        """The response of a started generation: its SSE stream, or its JSON once done."""
+        if view.body.stream:
+            return self.stream(request, generation, view.events(), headers)
+        await self.complete(request, generation)
+        return json_response(view.response(), headers)
+
     async def complete(self, request: Request, generation: Generation) -> None:
         """Run a non-streaming generation to the end; a client that disconnects
         meanwhile aborts it (Starlette cancels only streaming responses)."""

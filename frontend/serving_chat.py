@@ -13,7 +13,7 @@ from frontend.generation import ChoiceDelta, Generation
 from frontend.logprobs import chat_logprobs, prompt_logprobs
 from frontend.openai_models import ChatCompletionRequest, ChatMessage
 from frontend.sampling import build_sampling_params, check_prompt_length, truncate_prompt
-from frontend.serving import ServingContext, StreamingView, json_response
+from frontend.serving import ServingContext, StreamingView
 from frontend.usage import usage
 
 
@@ -171,10 +171,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     ctx.start(generation, body.n)
     headers = ctx.response_headers(generation, request_id)
     view = _ChatView(ctx, body, generation, f"chatcmpl-{request_id}", model)
-    if body.stream:
-        return ctx.stream(request, generation, view.events(), headers)
-    await ctx.complete(request, generation)
-    return json_response(view.response(), headers)
+    return await ctx.respond(request, generation, view, headers)
 
 
 class _ChatView(StreamingView):

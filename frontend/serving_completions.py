@@ -17,7 +17,7 @@ from frontend.sampling import (
     check_token_ids,
     truncate_prompt,
 )
-from frontend.serving import ServingContext, StreamingView, json_response
+from frontend.serving import ServingContext, StreamingView
 from frontend.usage import usage
 
 
@@ -91,10 +91,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     # Echo shows a text prompt as written, unless it was cut to its last tokens.
     texts = prompt_texts(body) if body.truncate_prompt_tokens is None else None
     view = _CompletionView(ctx, body, generation, f"cmpl-{request_id}", model, echo_only, texts)
-    if body.stream:
-        return ctx.stream(request, generation, view.events(), headers)
-    await ctx.complete(request, generation)
-    return json_response(view.response(), headers)
+    return await ctx.respond(request, generation, view, headers)
 
 
 class _CompletionView(StreamingView):
