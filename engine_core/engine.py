@@ -20,17 +20,11 @@ from protocol.messages import (
     ITERATION_TOKEN_BUCKETS,
     EngineCoreOutput,
     EngineCoreRequest,
-    FinishReason,
     SchedulerStats,
+    error_output,
 )
 
 logger = logging.getLogger(__name__)
-
-
-def _error_output(request_id: str, message: str) -> EngineCoreOutput:
-    return EngineCoreOutput(
-        request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=message
-    )
 
 
 class EngineCore:
@@ -87,7 +81,7 @@ class EngineCore:
             state = Request(request, self.eos_token_ids)
         except Exception as e:  # a bad request must never take the engine down
             logger.warning("request %s refused: %s", request.request_id, e)
-            return [_error_output(request.request_id, str(e))]
+            return [error_output(request.request_id, str(e))]
         self.requests[request.request_id] = state
         self.scheduler.add(state)
         return []

@@ -33,11 +33,11 @@ from protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineReady,
-    FinishReason,
     RequestType,
     SchedulerStats,
     UtilityCall,
     UtilityResult,
+    error_output,
 )
 from protocol.sockets import make_socket, needs_curve, rank_identity
 
@@ -391,10 +391,6 @@ class EngineCoreProc:
 
     def request_shutdown(self) -> None:
         self.stop.set()
-
-
-def error_output(request_id: str, message: str) -> EngineCoreOutput:
-    return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR, error=message)
 
 
 def run_engine_core(cfg: EngineProcConfig) -> int:

@@ -25,9 +25,10 @@ from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.errors import APIError
 from frontend.generation import Choice, Generation
 from frontend.metrics import Metrics
-from frontend.openai_models import INT64_MAX, INT64_MIN
+from frontend.openai_models import INT64_MAX, INT64_MIN, SamplingFields
 from frontend.renderer import Renderer
 from frontend.sampling import generation_defaults
+from protocol.messages import SamplingParams
 
 log = logging.getLogger("zserve.api")
 
@@ -162,6 +163,30 @@ class ServingContext:
         return await asyncio.to_thread(self.renderer.render_chat, **kwargs)
 
     # --- the generation life cycle ------------------------------------------------
+
+    def generation(
+        self,
+        request: Request,
+        body: SamplingFields,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+    ) -> Generation:
+        """The generation of one API call: its prompts × n, with the request's stop rules,
+        priority and engine pin."""
+        return Generation(
+            self.client,
+            request_id,
+            prompts,
+            params,
+            n=body.n,
+            tokenizer=self.renderer.raw,
+            stop=body.stop_strings,
+            include_stop=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+            priority=self.priority(request, body.priority),
+            engine_rank=self.engine_rank(request),
+        )
 
     def preflight(self) -> None:
         """Cheap checks before any work is done for a request."""

@@ -154,19 +154,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         max_logprobs=ctx.config.max_logprobs,
     )
     check_prompt_length(len(prompt_ids), max_tokens, ctx.max_model_len, ctx.max_request_tokens)
-    generation = Generation(
-        ctx.client,
-        request_id,
-        [prompt_ids],
-        params,
-        n=body.n,
-        tokenizer=ctx.renderer.raw,
-        stop=body.stop_strings,
-        include_stop=body.include_stop_str_in_output,
-        skip_special_tokens=body.skip_special_tokens,
-        priority=ctx.priority(request, body.priority),
-        engine_rank=ctx.engine_rank(request),
-    )
+    generation = ctx.generation(request, body, request_id, [prompt_ids], params)
     generation.keep_logprobs = not body.stream and body.logprobs
     ctx.start(generation, body.n)
     headers = ctx.response_headers(generation, request_id)

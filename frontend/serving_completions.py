@@ -72,19 +72,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     )
     for p in prompts:
         check_prompt_length(len(p), max(max_tokens, 1), ctx.max_model_len, ctx.max_request_tokens)
-    generation = Generation(
-        ctx.client,
-        request_id,
-        prompts,
-        params,
-        n=body.n,
-        tokenizer=ctx.renderer.raw,
-        stop=body.stop_strings,
-        include_stop=body.include_stop_str_in_output,
-        skip_special_tokens=body.skip_special_tokens,
-        priority=ctx.priority(request, body.priority),
-        engine_rank=ctx.engine_rank(request),
-    )
+    generation = ctx.generation(request, body, request_id, prompts, params)
     generation.keep_logprobs = not body.stream and body.logprobs is not None
     ctx.start(generation, body.n)
     headers = ctx.response_headers(generation, request_id)

@@ -128,6 +128,11 @@ class EngineCoreOutput(_Wire):
         return self.finish_reason is not None
 
 
+def error_output(request_id: str, message: str) -> EngineCoreOutput:
+    """The last output of a request the engine could not serve."""
+    return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR, error=message)
+
+
 class UtilityCall(_Wire):
     """UTILITY: call a named engine method; the answer rides back on EngineCoreOutputs."""
 
