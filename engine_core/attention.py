@@ -46,19 +46,21 @@ class AttentionMetadata:
     decode_positions: torch.Tensor | None  # [num_decodes, 1] position of each decode query
     decode_key_positions: torch.Tensor | None  # [1, max_blocks * block_size]
     prefills: list[PrefillChunk]
-    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _decode_biases: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _prefill_masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
-    def decode_excluded(self, window: int | None) -> torch.Tensor:
-        """[num_decodes, 1, 1, L] True where a key is outside the query's context or window."""
-        mask = self._decode_masks.get(window)
-        if mask is None:
+    def decode_bias(self, window: int | None) -> torch.Tensor:
+        """[num_decodes, 1, 1, L] fp32: 0 where a key is in the query's context (and
+        window), -inf elsewhere; added to the scores, it is the mask."""
+        bias = self._decode_biases.get(window)
+        if bias is None:
             keys, pos = self.decode_key_positions, self.decode_positions
-            mask = keys > pos
+            excluded = keys > pos
             if window is not None:
-                mask |= keys <= pos - window
-            mask = self._decode_masks[window] = mask[:, None, None, :]
-        return mask
+                excluded |= keys <= pos - window
+            bias = torch.zeros(excluded.shape, device=keys.device).masked_fill_(excluded, _NEG_INF)
+            bias = self._decode_biases[window] = bias[:, None, None, :]
+        return bias
 
     def prefill_mask(self, index: int, window: int | None) -> torch.Tensor:
         """[n, context] bottom-right causal (and window) mask of chunk `index`; True = attend."""
@@ -81,11 +83,11 @@ def _decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    excluded: torch.Tensor,
+    bias: torch.Tensor,
     scaling: float,
     softcap: float | None,
 ) -> torch.Tensor:
-    """q [B,Hq,D], k/v [B,Hkv,L,D] → [B,Hq,D].
+    """q [B,Hq,D], k/v [B,Hkv,L,D], bias [B,1,1,L] → [B,Hq,D].
 
     Grouped matmuls instead of SDPA: for one query row per sequence, CPU SDPA is
     ~15x slower than two batched matmuls with the query heads of a KV head stacked.
@@ -93,10 +95,13 @@ def _decode_attention(
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scaling)  # [B,Hkv,G,L]
-    if softcap is not None:
-        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
-    scores.masked_fill_(excluded, _NEG_INF)
+    scores = torch.matmul(q, k.transpose(-1, -2))  # [B,Hkv,G,L] in the model dtype
+    if softcap is None:
+        # One op: fp32 scores, scaled and masked (2.5x cheaper than cast, scale, fill).
+        scores = torch.add(bias, scores, alpha=scaling)
+    else:
+        scores = scores.float().mul_(scaling)
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap).add_(bias)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).view(batch, num_heads, head_dim)
 
@@ -165,8 +170,8 @@ def paged_attention(
         index = attn_meta.decode_gather_index
         k = k_blocks.index_select(0, index).view(nd, num_kv_heads, -1, head_dim)
         v = v_blocks.index_select(0, index).view(nd, num_kv_heads, -1, head_dim)
-        excluded = attn_meta.decode_excluded(sliding_window)
-        decode_out = _decode_attention(q.contiguous(), k, v, excluded, scaling, softcap)
+        bias = attn_meta.decode_bias(sliding_window)
+        decode_out = _decode_attention(q.contiguous(), k, v, bias, scaling, softcap)
         if nd == num_tokens:
             return decode_out.view(1, nd, num_heads, head_dim), None
 

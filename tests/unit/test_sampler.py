@@ -9,7 +9,7 @@ import torch
 
 from engine_core.logprobs import logprobs_per_row
 from engine_core.request import Request
-from engine_core.sampler import Sampler, truncate
+from engine_core.sampler import Sampler, draw, truncate
 from engine_core.validation import validate_request
 from protocol.messages import EngineCoreRequest, SamplingParams
 
@@ -94,6 +94,33 @@ def test_temperature_sampling_follows_the_distribution():
         tokens = sampler.sample(logits.expand(4000, V).clone(), requests)
     freq = torch.bincount(tokens, minlength=V).float() / 4000
     assert torch.allclose(freq[:3], probs[:3], atol=0.04)
+
+
+@pytest.mark.parametrize("vocab", [300, 256, 7])
+def test_draw_follows_the_distribution_across_blocks(vocab):
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand(vocab, generator=g) * (torch.rand(vocab, generator=g) < 0.5)
+    probs[vocab // 2] = 1.0  # at least one token with mass
+    n = 40_000
+    tokens = draw(probs.expand(n, vocab).clone(), torch.rand(n, 1, generator=g), block=16)
+    freq = torch.bincount(tokens, minlength=vocab).double() / n
+    expected = probs.double() / probs.sum()
+    assert (freq[expected == 0] == 0).all()
+    assert torch.allclose(freq, expected, atol=0.01)
+
+
+def test_draw_never_picks_zero_mass_tokens_at_the_edges():
+    # Mass only in the middle of the middle block; u at 0, just below 1, and exactly
+    # the boundaries of the cumulative mass.
+    probs = torch.zeros(5, 48)
+    probs[:, 20] = 0.25
+    probs[:, 21] = 0.75
+    u = torch.tensor([[0.0], [0.25], [0.9999999], [1.0 - 2.0**-24], [0.5]])
+    assert draw(probs, u, block=16).tolist() == [20, 21, 21, 21, 21]
+    # Mass in the last token of the vocabulary, not a multiple of the block.
+    tail = torch.zeros(2, 37)
+    tail[:, 36] = 1e-30
+    assert draw(tail, torch.tensor([[0.0], [0.9999999]]), block=16).tolist() == [36, 36]
 
 
 def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
