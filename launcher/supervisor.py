@@ -64,16 +64,23 @@ class Child:
 
 
 def engine_threads(args: argparse.Namespace, local_engines: int) -> int:
-    """Torch threads per engine: the cores left after one per local API server, shared
-    by the local engines, at least one. An engine that oversubscribes the cores its
-    own API server (and clients) need loses far more than a thread buys: its OpenMP
-    workers wait on each other at every matmul."""
+    """Torch threads per engine: the usable cores less one for each local API server
+    after the first, shared by the local engines, at least one.
+
+    The first API server shares the cores with the engine: it needs a fraction of a
+    core. On 2 cores, 1 API server and `vllm bench serve` beside them, two engine
+    threads served a median 5,135 tok/s against one thread's 4,056 at concurrency 128
+    and 3,434 against 3,547 at 32, with a lower ITL p99 at both (3 alternating rounds;
+    BENCHMARKS.md). A shorter OpenMP spin (GOMP_SPINCOUNT=1000) did worse than the
+    default at both.
+    """
     if args.cpu_threads is not None:
         return args.cpu_threads
     if args.engine_cpus:
         return max(1, len(args.engine_cpus) // max(local_engines, 1))
     api_servers = 0 if args.headless else (args.api_server_count or 1)
-    return max(1, (usable_cores() - api_servers) // max(local_engines, 1))
+    reserved = max(0, api_servers - 1)
+    return max(1, (usable_cores() - reserved) // max(local_engines, 1))
 
 
 def engine_config(args: argparse.Namespace, model_dir: str, local_engines: int) -> EngineConfig:

@@ -48,15 +48,18 @@ def test_cpu_lists_and_even_shares():
     assert _share(None, 0, 2) is None
 
 
-def test_engine_threads_leave_a_core_per_api_server(monkeypatch):
+def test_engine_threads_leave_a_core_per_api_server_after_the_first(monkeypatch):
     monkeypatch.setattr(serve_args, "usable_cpus", lambda: list(range(8)))
     monkeypatch.setattr("launcher.supervisor.usable_cores", lambda: 8)
     assert engine_threads(parse("m", "--api-server-count", "2"), local_engines=2) == 3
-    assert engine_threads(parse("m"), local_engines=1) == 7
+    assert engine_threads(parse("m", "--api-server-count", "3"), local_engines=1) == 6
+    assert engine_threads(parse("m"), local_engines=1) == 8
+    assert engine_threads(parse("m", "--headless"), local_engines=1) == 8
     assert engine_threads(parse("m", "--cpu-threads", "5"), local_engines=1) == 5
     assert engine_threads(parse("m", "--engine-cpus", "0-3"), local_engines=2) == 2
     monkeypatch.setattr("launcher.supervisor.usable_cores", lambda: 2)
     assert engine_threads(parse("m", "--api-server-count", "4", "-dp", "2"), 2) == 1
+    assert engine_threads(parse("m"), local_engines=1) == 2
 
 
 def test_a_local_folder_resolves_to_its_absolute_path(tiny_model):
