@@ -43,14 +43,9 @@ from protocol.sockets import make_socket, needs_curve, rank_identity
 
 log = logging.getLogger("zserve.engine")
 
-# An idle engine wakes this often to refresh its stats; every API server gets a
-# heartbeat every HEARTBEAT_S regardless (liveness).
+# Stats reach every API server at least this often while they change (load-balancing
+# freshness), and every HEARTBEAT_S regardless (liveness).
 STATS_INTERVAL_S = 0.1
-# Changed stats reach every API server at most this long after the step that changed
-# them, outputs or not. At 100 ms, a server with no outputs from an engine saw its load
-# late while seeing another engine's fresh, and skewed a burst (31/67 of its requests);
-# 200-request bursts over 2x2 fell outside 45/55 in 3 of 8 rounds then, 1 of 8 now.
-STATS_PUSH_GAP_S = 0.005
 HEARTBEAT_S = 1.0
 
 UTILITY_METHODS = ("reset_prefix_cache", "make_stats", "ping")
@@ -349,7 +344,7 @@ class EngineCoreProc:
             for client_index in range(n_clients):
                 if (
                     client_index not in sent_to
-                    and now - last_sent[client_index] >= STATS_PUSH_GAP_S
+                    and now - last_sent[client_index] >= STATS_INTERVAL_S
                 ):
                     self.send(client_index, [])
                     last_sent[client_index] = now
