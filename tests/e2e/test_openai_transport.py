@@ -119,6 +119,9 @@ def server(tiny_model, certificate, tmp_path_factory):
         "--kv-cache-memory-bytes", "512KiB",
         "--device", "cpu",
         "--max-num-seqs", "1",
+        # One engine thread: the Blocker's 900 tokens must outlast the tests' polling
+        # for a waiting request; with both cores the tiny model finished them first.
+        "--cpu-threads", "1",
         "--scheduling-policy", "priority",
         "--sse-keep-alive-interval", "0.2",
         "--max-num-queued-reqs", str(MAX_QUEUED_REQS),
