@@ -51,6 +51,11 @@ HEARTBEAT_S = 1.0
 UTILITY_METHODS = ("reset_prefix_cache", "make_stats", "ping")
 
 
+def _load_key(stats: SchedulerStats) -> tuple[int, int, int]:
+    """What an API server's load balancing reads from our stats."""
+    return stats.num_running, stats.num_waiting, stats.num_free_blocks
+
+
 class _Shutdown(Exception):
     pass
 
@@ -307,7 +312,10 @@ class EngineCoreProc:
         engine = self.engine
         n_clients = len(self.outputs)
         last_sent = [0.0] * n_clients
-        last_stats_key = None
+        # The load each API server last heard from us: it keeps steering by that
+        # until we tell it otherwise, so a change it missed must still reach it,
+        # even once we go idle (the final "all done" is the one that matters most).
+        told: list[tuple | None] = [None] * n_clients
         self.stats: SchedulerStats = engine.make_stats()
         while not self.stop.is_set():
             # Block while idle; the timeout keeps stats and heartbeats flowing.
@@ -326,28 +334,28 @@ class EngineCoreProc:
                 grouped = engine.step()
                 self.stats = engine.make_stats()
                 now = time.monotonic()
+                key = _load_key(self.stats)
                 for client_index, outs in grouped.items():
                     for out in outs:
                         if out.finish_reason is not None:
                             self.owners.pop(out.request_id, None)
                     self.send(client_index, outs)
                     last_sent[client_index] = now
+                    told[client_index] = key
                     sent_to.add(client_index)
             else:
                 self.stats = engine.make_stats()
             now = time.monotonic()
-            key = (self.stats.num_running, self.stats.num_waiting, self.stats.num_free_blocks)
-            changed = key != last_stats_key
-            last_stats_key = key
-            if not changed:
-                continue
+            key = _load_key(self.stats)
             for client_index in range(n_clients):
                 if (
-                    client_index not in sent_to
+                    told[client_index] != key
+                    and client_index not in sent_to
                     and now - last_sent[client_index] >= STATS_INTERVAL_S
                 ):
                     self.send(client_index, [])
                     last_sent[client_index] = now
+                    told[client_index] = key
 
     # --- lifecycle ----------------------------------------------------------------
 

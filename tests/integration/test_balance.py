@@ -94,6 +94,31 @@ def test_200_concurrent_requests_from_two_api_servers_both_engines_take_a_third(
     assert api["0"] > 0 and api["1"] > 0
 
 
+def test_every_api_server_sees_both_engines_idle_right_after_a_burst(two_by_two):
+    # An engine rate-limits its stats to a server without outputs in a step (100 ms)
+    # and, once idle, used to say nothing more until its 1 s heartbeat: a server could
+    # keep steering the next burst by an engine's load from before it went idle.
+    responses = asyncio.run(_burst(two_by_two.base_url, 200, max_tokens=16))
+    assert set(_split(responses, "x-api-server")) == {"0", "1"}
+    time.sleep(0.3)  # > one stats interval, < the heartbeat
+    # Fresh connections, which SO_REUSEPORT spreads over both API servers; each
+    # renders the engine gauges from its own view of the engines.
+    views = []
+    for _ in range(12):
+        with httpx.Client(base_url=two_by_two.base_url, timeout=10) as client:
+            text = client.get("/metrics").text
+        views.append(
+            {
+                engine: (
+                    _metric(text, "vllm:num_requests_running", engine=engine),
+                    _metric(text, "vllm:num_requests_waiting", engine=engine),
+                )
+                for engine in ("0", "1")
+            }
+        )
+    assert all(view == {"0": (0, 0), "1": (0, 0)} for view in views), views
+
+
 def test_x_data_parallel_rank_pins_an_engine_and_out_of_range_is_400(two_by_two):
     responses = asyncio.run(_burst(two_by_two.base_url, 20, headers={"X-data-parallel-rank": "1"}))
     assert _split(responses, "x-engine-rank") == {"1": 20}
