@@ -81,6 +81,7 @@ class EngineCoreProc:
         self.ready: EngineReady | None = None
         self.stats = SchedulerStats()
         self.owners: dict[str, int] = {}  # request id -> client index, for _CLIENT_GONE
+        self.by_client: list[int] = []  # unfinished requests per client index
 
     # --- start-up -----------------------------------------------------------------
 
@@ -247,17 +248,19 @@ class EngineCoreProc:
                 self.send(req.client_index, errors)
             else:
                 self.owners[req.request_id] = req.client_index
+                if 0 <= req.client_index < len(self.by_client):
+                    self.by_client[req.client_index] += 1
         elif kind is RequestType.ABORT:
             engine.abort_requests(payload)
             for rid in payload:
-                self.owners.pop(rid, None)
+                self._forget(rid)
         elif kind is _CLIENT_GONE:
             # If that API server is alive after all (a dropped TCP link), its streams
             # end with an error once the link is back instead of hanging forever.
             gone = [rid for rid, owner in self.owners.items() if owner == payload]
             engine.abort_requests(gone)
             for rid in gone:
-                del self.owners[rid]
+                self._forget(rid)
             if gone:
                 self.send(
                     payload,
@@ -268,6 +271,16 @@ class EngineCoreProc:
                 )
         else:
             self.call_utility(payload)
+
+    def _forget(self, request_id: str) -> None:
+        owner = self.owners.pop(request_id, None)
+        if owner is not None and 0 <= owner < len(self.by_client):
+            self.by_client[owner] -= 1
+
+    def _make_stats(self) -> SchedulerStats:
+        stats = self.engine.make_stats()
+        stats.num_requests_by_client = list(self.by_client)
+        return stats
 
     def call_utility(self, call: UtilityCall) -> None:
         # The caller's client index travels as the first argument.
@@ -288,7 +301,7 @@ class EngineCoreProc:
                 int(client_index),
                 EngineCoreOutputs(
                     engine_index=self.rank,
-                    scheduler_stats=self.engine.make_stats(),
+                    scheduler_stats=self._make_stats(),
                     timestamp=time.time(),
                     utility_result=result,
                 ),
@@ -316,7 +329,8 @@ class EngineCoreProc:
         # until we tell it otherwise, so a change it missed must still reach it,
         # even once we go idle (the final "all done" is the one that matters most).
         told: list[tuple | None] = [None] * n_clients
-        self.stats: SchedulerStats = engine.make_stats()
+        self.by_client = [0] * n_clients
+        self.stats: SchedulerStats = self._make_stats()
         while not self.stop.is_set():
             # Block while idle; the timeout keeps stats and heartbeats flowing.
             if not engine.has_unfinished_requests():
@@ -332,19 +346,20 @@ class EngineCoreProc:
             sent_to = set()
             if engine.has_unfinished_requests():
                 grouped = engine.step()
-                self.stats = engine.make_stats()
+                for outs in grouped.values():
+                    for out in outs:
+                        if out.finish_reason is not None:
+                            self._forget(out.request_id)
+                self.stats = self._make_stats()
                 now = time.monotonic()
                 key = _load_key(self.stats)
                 for client_index, outs in grouped.items():
-                    for out in outs:
-                        if out.finish_reason is not None:
-                            self.owners.pop(out.request_id, None)
                     self.send(client_index, outs)
                     last_sent[client_index] = now
                     told[client_index] = key
                     sent_to.add(client_index)
             else:
-                self.stats = engine.make_stats()
+                self.stats = self._make_stats()
             now = time.monotonic()
             key = _load_key(self.stats)
             for client_index in range(n_clients):

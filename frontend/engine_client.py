@@ -180,9 +180,10 @@ class EngineClient:
     def pick_engine(self, pinned_rank: int | None = None) -> EngineState:
         """The engine with the lowest load score; ties rotate.
 
-        Score = engine-reported waiting + running (fresh within ~100 ms) plus this
-        server's own in-flight requests on it, which moves instantly, so a burst that
-        arrives before any stats still spreads evenly.
+        Score = this server's own in-flight requests on the engine, counted here and
+        so exact at once (a burst that arrives before any stats still spreads
+        evenly), plus the other servers' unfinished requests there as the engine last
+        reported them (at most ~100 ms old while it works, and its idle state too).
         """
         if pinned_rank is not None:
             engine = self.engines[pinned_rank]
@@ -196,13 +197,19 @@ class EngineClient:
             engine = self.engines[(start + i) % n]
             if not engine.alive:
                 continue
-            s = engine.stats
-            score = s.num_waiting + s.num_running + engine.in_flight
+            score = self._others_load(engine.stats) + engine.in_flight
             if best_score is None or score < best_score:
                 best, best_score = engine, score
         if best is None:
             raise EngineDeadError("no engine is alive")
         return best
+
+    def _others_load(self, stats: SchedulerStats) -> int:
+        by_client = stats.num_requests_by_client
+        if not by_client:  # no per-server split reported: the engine's whole load
+            return stats.num_waiting + stats.num_running
+        mine = by_client[self.client_index] if self.client_index < len(by_client) else 0
+        return sum(by_client) - mine
 
     def add_request(
         self, request: EngineCoreRequest, engine: EngineState, event: asyncio.Event | None = None

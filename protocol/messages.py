@@ -105,6 +105,9 @@ class SchedulerStats(_Wire):
     # upper bound, then one for larger steps.
     iteration_tokens_sum: int = 0
     iteration_tokens_counts: list[int] = []
+    # Unfinished requests per API server (by client_index): a server balancing load
+    # counts its own requests itself, instantly, and takes only the others' from here.
+    num_requests_by_client: list[int] = []
 
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)

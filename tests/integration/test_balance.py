@@ -81,17 +81,21 @@ def test_a_burst_before_any_stats_splits_evenly_over_engines(two_by_two):
     assert set(_split(responses, "x-api-server")) == {"0", "1"}
 
 
-def test_200_concurrent_requests_from_two_api_servers_both_engines_take_a_third(two_by_two):
-    # Once engines report load, each API server weighs the others' requests by the
-    # engines' latest stats, which reach a server without outputs from an engine only
-    # every 100 ms. On 2 shared cores that lag moved the split as far as 75/125: 45/55
-    # held in about 5 bursts of 8, so this asserts only that neither engine is starved
-    # (the burst before any stats, above, is held to 45/55). Known weakness, noted.
-    responses = asyncio.run(_burst(two_by_two.base_url, 200, max_tokens=16))
-    engines = _split(responses, "x-engine-rank")
-    assert 67 <= engines["0"] <= 133, engines
-    api = _split(responses, "x-api-server")
-    assert api["0"] > 0 and api["1"] > 0
+def test_200_concurrent_requests_from_two_api_servers_split_evenly_once_stats_flow(two_by_two):
+    # Once engines report load, each API server counts its own requests itself and
+    # takes only the other server's from the engines' stats. Three bursts: each
+    # within 40/60 and together within 45/55 (in 48 bursts here, 47 were within
+    # 95-106 and one at 84: an engine that falls behind on 2 shared cores really
+    # is busier).
+    totals = collections.Counter()
+    for _ in range(3):
+        responses = asyncio.run(_burst(two_by_two.base_url, 200, max_tokens=16))
+        engines = _split(responses, "x-engine-rank")
+        assert 80 <= engines["0"] <= 120, engines
+        api = _split(responses, "x-api-server")
+        assert api["0"] > 0 and api["1"] > 0
+        totals += engines
+    assert 270 <= totals["0"] <= 330, totals
 
 
 def test_every_api_server_sees_both_engines_idle_right_after_a_burst(two_by_two):
