@@ -52,7 +52,8 @@ UTILITY_METHODS = ("reset_prefix_cache", "make_stats", "ping")
 
 
 def _load_key(stats: SchedulerStats) -> tuple[int, int, int]:
-    """What an API server's load balancing reads from our stats."""
+    """The stats an API server needs fresh between outputs: the engine's load (for
+    balancing) and its free KV blocks (for metrics)."""
     return stats.num_running, stats.num_waiting, stats.num_free_blocks
 
 
@@ -343,31 +344,21 @@ class EngineCoreProc:
                     self.handle_input(*self.input_queue.get_nowait())
                 except queue.Empty:
                     break
-            sent_to = set()
-            if engine.has_unfinished_requests():
-                grouped = engine.step()
-                for outs in grouped.values():
-                    for out in outs:
-                        if out.finish_reason is not None:
-                            self._forget(out.request_id)
-                self.stats = self._make_stats()
-                now = time.monotonic()
-                key = _load_key(self.stats)
-                for client_index, outs in grouped.items():
-                    self.send(client_index, outs)
-                    last_sent[client_index] = now
-                    told[client_index] = key
-                    sent_to.add(client_index)
-            else:
-                self.stats = self._make_stats()
+            grouped = engine.step() if engine.has_unfinished_requests() else {}
+            for outs in grouped.values():
+                for out in outs:
+                    if out.finish_reason is not None:
+                        self._forget(out.request_id)
+            self.stats = self._make_stats()
             now = time.monotonic()
             key = _load_key(self.stats)
+            for client_index, outs in grouped.items():
+                self.send(client_index, outs)
+                last_sent[client_index] = now
+                told[client_index] = key
+            # The others hear of a change without outputs, at most every interval.
             for client_index in range(n_clients):
-                if (
-                    told[client_index] != key
-                    and client_index not in sent_to
-                    and now - last_sent[client_index] >= STATS_INTERVAL_S
-                ):
+                if told[client_index] != key and now - last_sent[client_index] >= STATS_INTERVAL_S:
                     self.send(client_index, [])
                     last_sent[client_index] = now
                     told[client_index] = key
