@@ -53,13 +53,21 @@ def test_version_is_exactly_one_string_field(http):
 
 
 def test_load_stays_zero_without_server_load_tracking(default_server, http):
+    # The tiny model streams 400 tokens in ~0.2 s with two engine threads, which a
+    # 100 ms poll could miss entirely: stream the longest request the model allows
+    # and poll faster.
     stop = threading.Event()
 
     def long_stream():
         with httpx.stream(
             "POST",
             default_server.base_url + "/v1/completions",
-            json={"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True},
+            json={
+                "prompt": "x",
+                "max_tokens": MAX_MODEL_LEN - 8,
+                "ignore_eos": True,
+                "stream": True,
+            },
             timeout=60,
         ) as r:
             for _ in r.iter_lines():
@@ -69,7 +77,11 @@ def test_load_stays_zero_without_server_load_tracking(default_server, http):
     t = threading.Thread(target=long_stream)
     t.start()
     try:
-        wait_for(lambda: engine_stats(default_server)["num_running"] == 1, what="a running request")
+        wait_for(
+            lambda: engine_stats(default_server)["num_running"] == 1,
+            interval=0.02,
+            what="a running request",
+        )
         assert http.get("/load").json() == {"server_load": 0}
     finally:
         stop.set()
