@@ -53,36 +53,50 @@ def test_version_is_exactly_one_string_field(http):
 
 
 def test_load_stays_zero_without_server_load_tracking(default_server, http):
-    # The tiny model streams 400 tokens in ~0.2 s with two engine threads, which a
-    # 100 ms poll could miss entirely: stream the longest request the model allows
-    # and poll faster.
+    # /load counts nothing unless --enable-server-load-tracking, even while a request
+    # is in flight. The stream's first event proves it reached the engine; /load is
+    # read after that and before the engine is seen idle again. The thread records
+    # how its stream went, so a failed stream says why instead of timing out.
+    first_event = threading.Event()
     stop = threading.Event()
+    seen: dict = {}
 
     def long_stream():
-        with httpx.stream(
-            "POST",
-            default_server.base_url + "/v1/completions",
-            json={
-                "prompt": "x",
-                "max_tokens": MAX_MODEL_LEN - 8,
-                "ignore_eos": True,
-                "stream": True,
-            },
-            timeout=60,
-        ) as r:
-            for _ in r.iter_lines():
-                if stop.is_set():
-                    break
+        try:
+            with httpx.stream(
+                "POST",
+                default_server.base_url + "/v1/completions",
+                json={
+                    "prompt": "x",
+                    "max_tokens": MAX_MODEL_LEN - 8,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+                timeout=60,
+            ) as r:
+                seen["status"] = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        first_event.set()
+                    if stop.is_set():
+                        break
+                    seen["last"] = line
+        except Exception as e:  # reported by the assertion below
+            seen["error"] = repr(e)
+        finally:
+            first_event.set()
 
     t = threading.Thread(target=long_stream)
     t.start()
     try:
-        wait_for(
-            lambda: engine_stats(default_server)["num_running"] == 1,
-            interval=0.02,
-            what="a running request",
-        )
-        assert http.get("/load").json() == {"server_load": 0}
+        assert first_event.wait(30), "the stream sent no event within 30 s"
+        assert seen.get("status") == 200 and "error" not in seen, seen
+        load = http.get("/load").json()
+        running = engine_stats(default_server)["num_running"]
+        assert load == {"server_load": 0}, load
+        # Only this test's request can be running on the shared server: the stream
+        # was still in the engine after /load answered.
+        assert running == 1, (running, seen)
     finally:
         stop.set()
         t.join()
