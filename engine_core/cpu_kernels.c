@@ -1,0 +1,374 @@
+/*
+ * zserve's CPU kernels: the fused elementwise steps and the paged attention of the
+ * native bf16 forward. engine_core/cpu_kernels.py compiles this file for the machine
+ * it runs on (gcc -O3 -march=native -fopenmp) and calls it through ctypes.
+ *
+ * Tensors are bf16 (as uint16 bit patterns) with fp32 arithmetic. Each kernel rounds
+ * to bf16 wherever torch's op-by-op bf16 path rounds, so it reproduces those ops up
+ * to the order of a sum; attention is the exception: its scores and probabilities
+ * stay fp32 (torch rounds both to bf16), which is closer to the exact result.
+ *
+ * OpenMP resolves to the libgomp torch has already loaded into the engine process,
+ * so torch.set_num_threads governs these loops as well.
+ *
+ * Two builds of every kernel: AVX-512 (with AVX512-BF16 dot products), and portable
+ * C for any other CPU. ZS_PORTABLE forces the portable one (the tests compare both).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__) && defined(__AVX512DQ__) && !defined(ZS_PORTABLE)
+#define ZS_AVX512 1
+#include <immintrin.h>
+#else
+#define ZS_AVX512 0
+#endif
+
+typedef uint16_t bf16;
+
+#define ZS_MAX_HEAD_DIM 256
+#define ZS_MAX_GROUP 16
+/* Below this many elements a loop runs on one thread: waking the others costs more. */
+#define ZS_PARALLEL_MIN 16384
+
+int zs_abi(void) { return 1; }
+int zs_has_avx512(void) { return ZS_AVX512; }
+
+static inline float bf2f(bf16 x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+/* Round to nearest even, as torch converts float to bfloat16. */
+static inline bf16 f2bf(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    uint32_t u = v.u;
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+static inline float round_bf(float f) { return bf2f(f2bf(f)); }
+
+/* ---------------------------------------------------------------------------------
+ * RMSNorm, optionally after a residual add (transformers' order: normalise in fp32,
+ * round, then scale by the weight and round again).
+ *   residual == NULL: out = norm(x)
+ *   otherwise:        residual = residual + x (rounded); out = norm(residual)
+ */
+void zs_rms_norm(const bf16 *x, int64_t x_stride, bf16 *residual, int64_t res_stride,
+                 const bf16 *weight, bf16 *out, int64_t out_stride, int64_t rows,
+                 int64_t hidden, float eps) {
+#pragma omp parallel for schedule(static) if (rows * hidden >= ZS_PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *xr = x + r * x_stride;
+        bf16 *o = out + r * out_stride;
+        float h[8192];
+        float *buf = hidden <= 8192 ? h : (float *)malloc(sizeof(float) * hidden);
+        float ss = 0.f;
+        if (residual) {
+            bf16 *res = residual + r * res_stride;
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < hidden; i++) {
+                bf16 s = f2bf(bf2f(res[i]) + bf2f(xr[i]));
+                res[i] = s;
+                buf[i] = bf2f(s);
+                ss += buf[i] * buf[i];
+            }
+        } else {
+#pragma omp simd reduction(+ : ss)
+            for (int64_t i = 0; i < hidden; i++) {
+                buf[i] = bf2f(xr[i]);
+                ss += buf[i] * buf[i];
+            }
+        }
+        const float inv = 1.f / sqrtf(ss / (float)hidden + eps);
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; i++)
+            o[i] = f2bf(bf2f(weight[i]) * round_bf(buf[i] * inv));
+        if (buf != h) free(buf);
+    }
+}
+
+/* ---------------------------------------------------------------------------------
+ * out = silu(gate) * up, gate and up being the two halves of each row of gate_up.
+ */
+void zs_silu_mul(const bf16 *gate_up, int64_t in_stride, bf16 *out, int64_t out_stride,
+                 int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static) if (rows * inter >= ZS_PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16 *g = gate_up + r * in_stride;
+        const bf16 *u = g + inter;
+        bf16 *o = out + r * out_stride;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; i++) {
+            const float x = bf2f(g[i]);
+            const float s = round_bf(x / (1.f + expf(-x)));
+            o[i] = f2bf(s * bf2f(u[i]));
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------
+ * One token's rows of q and k: optional per-head RMSNorm (Qwen3), rotate-half RoPE
+ * with that token's cos/sin rows, the result rounded as torch's
+ * x * cos + rotate_half(x) * sin rounds it.
+ */
+static void norm_rope_head(const bf16 *x, bf16 *dst, const bf16 *norm_w, float eps,
+                           const bf16 *cos, const bf16 *sin, int64_t d) {
+    float v[ZS_MAX_HEAD_DIM];
+    for (int64_t j = 0; j < d; j++) v[j] = bf2f(x[j]);
+    if (norm_w) {
+        float ss = 0.f;
+        for (int64_t j = 0; j < d; j++) ss += v[j] * v[j];
+        const float inv = 1.f / sqrtf(ss / (float)d + eps);
+        for (int64_t j = 0; j < d; j++) v[j] = round_bf(bf2f(norm_w[j]) * round_bf(v[j] * inv));
+    }
+    const int64_t half = d / 2;
+    for (int64_t j = 0; j < d; j++) {
+        const float rot = j < half ? -v[j + half] : v[j - half];
+        dst[j] = f2bf(round_bf(v[j] * bf2f(cos[j])) + round_bf(rot * bf2f(sin[j])));
+    }
+}
+
+/*
+ * RoPE on q (in place, in the packed qkv rows) and k, then k and v into the paged
+ * cache: token n goes to cache slot slots[n] = block * block_size + offset, which for
+ * head h is row (block * hkv + h) * block_size + offset of a [blocks, hkv, bs, d]
+ * cache.
+ */
+void zs_rope_store(bf16 *qkv, int64_t row_stride, const int64_t *positions, const bf16 *cos,
+                   const bf16 *sin, int64_t rows, int64_t hq, int64_t hkv, int64_t d,
+                   const bf16 *q_norm, const bf16 *k_norm, float eps, bf16 *k_cache,
+                   bf16 *v_cache, const int64_t *slots, int64_t block_size) {
+#pragma omp parallel for schedule(static) if (rows * (hq + hkv) * d >= ZS_PARALLEL_MIN)
+    for (int64_t n = 0; n < rows; n++) {
+        bf16 *row = qkv + n * row_stride;
+        const bf16 *c = cos + positions[n] * d;
+        const bf16 *s = sin + positions[n] * d;
+        const int64_t block = slots[n] / block_size, offset = slots[n] % block_size;
+        for (int64_t h = 0; h < hq; h++) norm_rope_head(row + h * d, row + h * d, q_norm, eps, c, s, d);
+        for (int64_t h = 0; h < hkv; h++) {
+            const int64_t dst = ((block * hkv + h) * block_size + offset) * d;
+            norm_rope_head(row + (hq + h) * d, k_cache + dst, k_norm, eps, c, s, d);
+            memcpy(v_cache + dst, row + (hq + hkv + h) * d, sizeof(bf16) * d);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------
+ * Paged attention, one query token per row, decode and prefill alike: row n attends
+ * to the first row_len[n] positions of the sequence whose block table is
+ * tables[row_table[n]] (bottom-right causal: the row's own position is
+ * row_len[n] - 1), the last `window` of them when window > 0. The query heads of
+ * one KV head (GQA) share every K/V row read. Scores are scaled, soft-capped when
+ * softcap > 0, and soft-maxed in fp32.
+ */
+#if ZS_AVX512
+
+/* e^x for x <= 0 (softmax arguments): x = n ln2 + r, e^r by a degree-6 polynomial
+ * (Cephes' coefficients), 2^n by scalef; under 2 ulp. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The sums of four vectors: [sum a, sum b, sum c, sum d]. */
+static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+    const __m256 z = _mm256_add_ps(_mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
+}
+
+static inline __m512 load_bf16_as_f32(const bf16 *p, __mmask16 m) {
+    const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
+                       const int32_t *table, int64_t start, int64_t len, int64_t h,
+                       int64_t hkv, int64_t groups, int64_t d, int64_t bs, float scale,
+                       float softcap, bf16 *out, float *s, int64_t s_stride) {
+    const int64_t n = len - start;
+    const int64_t dk = (d + 31) / 32;  /* 32-bf16 chunks of a row (dot products) */
+    const int64_t dv = (d + 15) / 16;  /* 16-float chunks of a row (accumulation) */
+    const int64_t g4 = (groups + 3) / 4 * 4;
+    __m512bh qv[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM / 32];
+    for (int64_t g = 0; g < g4; g++)
+        for (int64_t c = 0; c < dk; c++) {
+            const int64_t left = d - c * 32;
+            const __mmask32 m = left >= 32 ? 0xffffffffu : ((1u << left) - 1u);
+            qv[g][c] = g < groups ? (__m512bh)_mm512_maskz_loadu_epi16(m, q + g * d + c * 32)
+                                  : (__m512bh)_mm512_setzero_si512();
+        }
+    float best[ZS_MAX_GROUP];
+    for (int64_t g = 0; g < g4; g++) best[g] = -INFINITY;
+    /* Scores: K rows once each, every query head of the group against them. */
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t pos = start + t;
+        const bf16 *kr = k_cache + (((int64_t)table[pos / bs] * hkv + h) * bs + pos % bs) * d;
+        __m512bh kv[ZS_MAX_HEAD_DIM / 32];
+        for (int64_t c = 0; c < dk; c++) {
+            const int64_t left = d - c * 32;
+            const __mmask32 m = left >= 32 ? 0xffffffffu : ((1u << left) - 1u);
+            kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, kr + c * 32);
+        }
+        for (int64_t g = 0; g < g4; g += 4) {
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t c = 0; c < dk; c++) {
+                a0 = _mm512_dpbf16_ps(a0, qv[g][c], kv[c]);
+                a1 = _mm512_dpbf16_ps(a1, qv[g + 1][c], kv[c]);
+                a2 = _mm512_dpbf16_ps(a2, qv[g + 2][c], kv[c]);
+                a3 = _mm512_dpbf16_ps(a3, qv[g + 3][c], kv[c]);
+            }
+            float r[4];
+            _mm_storeu_ps(r, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
+            for (int64_t j = 0; j < 4; j++) {
+                float x = r[j];
+                if (softcap > 0.f) x = tanhf(x / softcap) * softcap;
+                s[(g + j) * s_stride + t] = x;
+                if (x > best[g + j]) best[g + j] = x;
+            }
+        }
+    }
+    /* Softmax numerators in place; the padding to 16 contributes exp(-inf) = 0. */
+    float inv[ZS_MAX_GROUP];
+    for (int64_t g = 0; g < groups; g++) {
+        float *sg = s + g * s_stride;
+        for (int64_t t = n; t < (n + 15) / 16 * 16; t++) sg[t] = -INFINITY;
+        const __m512 mx = _mm512_set1_ps(best[g]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t += 16) {
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mx));
+            _mm512_storeu_ps(sg + t, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        inv[g] = 1.f / _mm512_reduce_add_ps(sum);
+    }
+    /* Weighted V rows, each read once for the whole group. */
+    __m512 acc[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM / 16];
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t pos = start + t;
+        const bf16 *vr = v_cache + (((int64_t)table[pos / bs] * hkv + h) * bs + pos % bs) * d;
+        __m512 vv[ZS_MAX_HEAD_DIM / 16];
+        for (int64_t c = 0; c < dv; c++) {
+            const int64_t left = d - c * 16;
+            vv[c] = load_bf16_as_f32(vr + c * 16, left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u));
+        }
+        for (int64_t g = 0; g < groups; g++) {
+            const __m512 p = _mm512_set1_ps(s[g * s_stride + t]);
+            for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+        }
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512 f = _mm512_set1_ps(inv[g]);
+        for (int64_t c = 0; c < dv; c++) {
+            const int64_t left = d - c * 16;
+            const __mmask16 m = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);
+            const __m256i o = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], f));
+            _mm256_mask_storeu_epi16(out + g * d + c * 16, m, o);
+        }
+    }
+}
+
+#else /* portable */
+
+static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
+                       const int32_t *table, int64_t start, int64_t len, int64_t h,
+                       int64_t hkv, int64_t groups, int64_t d, int64_t bs, float scale,
+                       float softcap, bf16 *out, float *s, int64_t s_stride) {
+    const int64_t n = len - start;
+    float qf[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM];
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t j = 0; j < d; j++) qf[g][j] = bf2f(q[g * d + j]);
+    float best[ZS_MAX_GROUP];
+    for (int64_t g = 0; g < groups; g++) best[g] = -INFINITY;
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t pos = start + t;
+        const bf16 *kr = k_cache + (((int64_t)table[pos / bs] * hkv + h) * bs + pos % bs) * d;
+        float kf[ZS_MAX_HEAD_DIM];
+        for (int64_t j = 0; j < d; j++) kf[j] = bf2f(kr[j]);
+        for (int64_t g = 0; g < groups; g++) {
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t j = 0; j < d; j++) dot += qf[g][j] * kf[j];
+            float x = dot * scale;
+            if (softcap > 0.f) x = tanhf(x / softcap) * softcap;
+            s[g * s_stride + t] = x;
+            if (x > best[g]) best[g] = x;
+        }
+    }
+    float inv[ZS_MAX_GROUP];
+    for (int64_t g = 0; g < groups; g++) {
+        float *sg = s + g * s_stride, sum = 0.f;
+        for (int64_t t = 0; t < n; t++) {
+            sg[t] = expf(sg[t] - best[g]);
+            sum += sg[t];
+        }
+        inv[g] = 1.f / sum;
+    }
+    float acc[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM];
+    memset(acc, 0, sizeof(acc));
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t pos = start + t;
+        const bf16 *vr = v_cache + (((int64_t)table[pos / bs] * hkv + h) * bs + pos % bs) * d;
+        float vf[ZS_MAX_HEAD_DIM];
+        for (int64_t j = 0; j < d; j++) vf[j] = bf2f(vr[j]);
+        for (int64_t g = 0; g < groups; g++) {
+            const float p = s[g * s_stride + t];
+#pragma omp simd
+            for (int64_t j = 0; j < d; j++) acc[g][j] += p * vf[j];
+        }
+    }
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t j = 0; j < d; j++) out[g * d + j] = f2bf(acc[g][j] * inv[g]);
+}
+
+#endif
+
+void zs_paged_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache,
+                        const bf16 *v_cache, const int32_t *tables, int64_t table_stride,
+                        const int32_t *row_table, const int32_t *row_len, int64_t rows,
+                        int64_t hq, int64_t hkv, int64_t d, int64_t block_size, int64_t window,
+                        float scale, float softcap, bf16 *out, int64_t out_stride,
+                        int64_t max_len) {
+    const int64_t groups = hq / hkv;
+    /* Score rows padded to 16 floats (the vector width) per query head. */
+    const int64_t s_stride = (max_len + 15) / 16 * 16;
+    const int64_t g4 = (groups + 3) / 4 * 4;
+#pragma omp parallel if (rows * hkv > 1)
+    {
+        float *s = (float *)malloc(sizeof(float) * g4 * s_stride);
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t item = 0; item < rows * hkv; item++) {
+            const int64_t n = item / hkv, h = item % hkv;
+            const int64_t len = row_len[n];
+            const int64_t start = (window > 0 && len > window) ? len - window : 0;
+            attend_row(q + n * q_stride + h * groups * d, k_cache, v_cache,
+                       tables + (int64_t)row_table[n] * table_stride, start, len, h, hkv, groups,
+                       d, block_size, scale, softcap, out + n * out_stride + h * groups * d, s,
+                       s_stride);
+        }
+        free(s);
+    }
+}

@@ -1,0 +1,229 @@
+"""zserve's CPU kernels (cpu_kernels.c), compiled once per machine and called through ctypes.
+
+The native bf16 forward on CPU runs its elementwise steps fused (RMSNorm with the
+residual add, RoPE with the KV-cache write, SiLU·mul) and its paged attention over
+every query row at once, reading K/V straight from the cache blocks instead of
+gathering them. The C is built for the CPU it runs on (AVX-512 with bf16 dot
+products where the CPU has them, portable C elsewhere) into the user cache, keyed by
+the source, the compiler and the CPU, so it compiles once (about a second). Where no
+C compiler works, `load()` answers None with the reason logged, and the forward keeps
+torch's ops.
+
+ctypes releases the GIL for each call, so the engine's output thread runs meanwhile.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+ABI = 1  # zs_abi() of the source this module speaks to
+MAX_HEAD_DIM = 256
+MAX_GROUP = 16  # query heads per KV head
+
+_P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "zs_rms_norm": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F],
+    "zs_silu_mul": [_P, _I64, _P, _I64, _I64, _I64],
+    "zs_rope_store": [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _F, _P, _P, _P, _I64],
+    "zs_paged_attention": [
+        _P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _F, _P, _I64,
+        _I64,
+    ],
+}  # fmt: skip
+
+
+class CpuKernels:
+    """Typed wrappers of the compiled kernels; every tensor is bf16 on the CPU."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        self._rms_norm = lib.zs_rms_norm
+        self._silu_mul = lib.zs_silu_mul
+        self._rope_store = lib.zs_rope_store
+        self._attention = lib.zs_paged_attention
+        self.avx512 = bool(lib.zs_has_avx512())
+
+    @staticmethod
+    def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+        """Why these attention shapes cannot run here (None: they can)."""
+        if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
+            return (
+                f"{num_heads} query heads over {num_kv_heads} KV heads (at most {MAX_GROUP} each)"
+            )
+        if head_dim > MAX_HEAD_DIM or head_dim % 2:
+            return f"head_dim {head_dim} (even, at most {MAX_HEAD_DIM})"
+        return None
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """norm(x), or with `residual`: residual += x (in place), then norm(residual).
+        x and residual [rows, hidden], rows may be strided."""
+        rows, hidden = x.shape
+        out = torch.empty(rows, hidden, dtype=x.dtype)
+        self._rms_norm(
+            x.data_ptr(), x.stride(0),
+            None if residual is None else residual.data_ptr(),
+            0 if residual is None else residual.stride(0),
+            weight.data_ptr(), out.data_ptr(), hidden, rows, hidden, eps,
+        )  # fmt: skip
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of gate_up [rows, 2 I] → [rows, I]."""
+        rows, width = gate_up.shape
+        inter = width // 2
+        out = torch.empty(rows, inter, dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), inter, rows, inter)
+        return out
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
+        eps: float = 0.0,
+    ) -> None:
+        """qkv [N, (Hq + 2 Hkv) D]: q rotated in place; rotated k and v written to cache
+        slot `slots[n]` (block * block_size + offset) of caches [blocks, Hkv, bs, D].
+        positions and slots are int64 [N]; q_norm/k_norm are per-head RMSNorm weights."""
+        self._rope_store(
+            qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            qkv.shape[0], num_heads, num_kv_heads, head_dim,
+            None if q_norm is None else q_norm.data_ptr(),
+            None if k_norm is None else k_norm.data_ptr(),
+            eps, k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), k_cache.shape[2],
+        )  # fmt: skip
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,
+        row_table: torch.Tensor,
+        row_len: torch.Tensor,
+        num_heads: int,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+        max_len: int,
+    ) -> torch.Tensor:
+        """q [N, Hq * D] (rows may be strided) → [N, Hq * D]: row n attends to the first
+        row_len[n] positions of the sequence whose block table is tables[row_table[n]]
+        (int32 [S, width]; row_table and row_len int32 [N]; max_len >= every row_len)."""
+        rows = q.shape[0]
+        _, num_kv_heads, block_size, head_dim = k_cache.shape
+        out = torch.empty(rows, num_heads * head_dim, dtype=q.dtype)
+        self._attention(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            tables.data_ptr(), tables.stride(0), row_table.data_ptr(), row_len.data_ptr(),
+            rows, num_heads, num_kv_heads, head_dim, block_size, window or 0, scale,
+            softcap or 0.0, out.data_ptr(), out.stride(0), max_len,
+        )  # fmt: skip
+        return out
+
+
+_loaded: dict[bool, CpuKernels | None] = {}
+
+
+def load(portable: bool = False) -> CpuKernels | None:
+    """The kernels for this machine (built on first use), or None where they cannot be
+    built or loaded; the reason is logged once. `portable` skips the AVX-512 code."""
+    if portable not in _loaded:
+        try:
+            path = build(portable)
+            lib = ctypes.CDLL(str(path))
+            if lib.zs_abi() != ABI:
+                raise RuntimeError(f"{path} speaks ABI {lib.zs_abi()}, expected {ABI}")
+            _loaded[portable] = CpuKernels(lib, path)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            logger.warning("CPU kernels unavailable, the forward keeps torch's ops: %s", e)
+            _loaded[portable] = None
+    return _loaded[portable]
+
+
+def build(portable: bool = False) -> Path:
+    """Compile cpu_kernels.c for this CPU into the cache (once; concurrent builders
+    each write a private file and the last rename wins, so no one sees a partial one)."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if not compiler:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+    if portable:
+        flags.append("-DZS_PORTABLE")
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30
+    ).stdout
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_identity()])
+    ).hexdigest()[:16]
+    folder = _cache_dir()
+    path = folder / f"cpu_kernels-{key}.so"
+    if path.is_file():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, staging = tempfile.mkstemp(dir=folder, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [compiler, *flags, str(SOURCE), "-o", staging, "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(staging, path)
+    finally:
+        if os.path.exists(staging):
+            os.unlink(staging)
+    logger.info("built CPU kernels %s", path)
+    return path
+
+
+def _cache_dir() -> Path:
+    # XDG_CACHE_HOME is the standard place for rebuildable files; the default model
+    # lives beside it (launcher/tiny_model.py).
+    cache = os.environ.get("XDG_CACHE_HOME")
+    return (Path(cache) if cache else Path.home() / ".cache") / "zserve" / "kernels"
+
+
+def _cpu_identity() -> bytes:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor().encode()
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags", "cpu family", "model\t"))]
+    return "\n".join(sorted(set(keep))).encode()

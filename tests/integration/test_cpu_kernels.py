@@ -1,0 +1,196 @@
+"""The CPU kernels (engine_core/cpu_kernels.c) against torch doing the same math.
+
+Both builds run: the one for this CPU (AVX-512 where it has it) and the portable C
+that any other CPU gets. The fused elementwise kernels round where torch's bf16 ops
+round, so they must agree with those ops to the last bit except where a sum's order
+differs (at most one bf16 step, on few elements). Attention keeps its scores in fp32:
+it is compared with an fp32 reference from the same bf16 inputs, within what one
+rounding of the bf16 output allows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_core import cpu_kernels
+from engine_core.native_llama import NativeLlamaBackend
+
+pytestmark = pytest.mark.timeout(120)
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["native", "portable"])
+def kernels(request):
+    k = cpu_kernels.load(portable=request.param)
+    assert k is not None, "the CPU kernels did not build (see the log)"
+    return k
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 steps between two bf16 tensors of the same sign pattern."""
+    ia = a.view(torch.int16).to(torch.int32)
+    ib = b.view(torch.int16).to(torch.int32)
+    return (ia - ib).abs()
+
+
+def _assert_bf16_close(got: torch.Tensor, want: torch.Tensor, max_frac_off: float = 0.01):
+    off = _ulps(got, want)
+    assert int(off.max()) <= 1, f"{int(off.max())} bf16 steps apart"
+    assert float((off > 0).float().mean()) <= max_frac_off, float((off > 0).float().mean())
+
+
+def _torch_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 512), (130, 512), (3, 9000)])
+def test_rms_norm_matches_torchs_bf16_ops(kernels, rows, hidden):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, hidden, generator=g).to(BF16)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(BF16)
+    _assert_bf16_close(kernels.rms_norm(x, w, 1e-6), _torch_rms_norm(x, w, 1e-6))
+
+
+def test_rms_norm_with_residual_adds_in_place_first(kernels):
+    g = torch.Generator().manual_seed(1)
+    residual = torch.randn(33, 512, generator=g).to(BF16)
+    delta = torch.randn(33, 512, generator=g).to(BF16)
+    w = torch.randn(512, generator=g).to(BF16)
+    expected_sum = residual + delta
+    out = kernels.rms_norm(delta, w, 1e-5, residual=residual)
+    assert torch.equal(residual, expected_sum)
+    _assert_bf16_close(out, _torch_rms_norm(expected_sum, w, 1e-5))
+
+
+def test_rms_norm_reads_strided_rows(kernels):
+    g = torch.Generator().manual_seed(2)
+    wide = torch.randn(5, 1024, generator=g).to(BF16)
+    x = wide[:, 100:612]
+    w = torch.randn(512, generator=g).to(BF16)
+    _assert_bf16_close(kernels.rms_norm(x, w, 1e-6), _torch_rms_norm(x.contiguous(), w, 1e-6))
+
+
+@pytest.mark.parametrize("rows,inter", [(1, 128), (64, 1408), (200, 1408)])
+def test_silu_mul_matches_torchs_bf16_ops(kernels, rows, inter):
+    g = torch.Generator().manual_seed(rows)
+    gate_up = (3 * torch.randn(rows, 2 * inter, generator=g)).to(BF16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _assert_bf16_close(kernels.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def _cache(blocks: int, hkv: int, bs: int, d: int, g: torch.Generator):
+    k = torch.randn(blocks, hkv, bs, d, generator=g).to(BF16)
+    v = torch.randn(blocks, hkv, bs, d, generator=g).to(BF16)
+    return k, v
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d,qk_norm", [(8, 2, 64, False), (4, 2, 16, False), (4, 2, 16, True)]
+)
+def test_rope_store_rotates_q_in_place_and_writes_k_v_to_their_slots(kernels, hq, hkv, d, qk_norm):
+    g = torch.Generator().manual_seed(d)
+    n, bs, blocks = 11, 4, 9
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=g).to(BF16)
+    original = qkv.clone()
+    positions = torch.randint(0, 50, (n,), generator=g)
+    angles = torch.arange(64)[:, None] * torch.rand(1, d // 2, generator=g)
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(BF16)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(BF16)
+    slots = torch.randperm(blocks * bs, generator=g)[:n]
+    k_cache, v_cache = _cache(blocks, hkv, bs, d, g)
+    q_norm = torch.randn(d, generator=g).to(BF16) if qk_norm else None
+    k_norm = torch.randn(d, generator=g).to(BF16) if qk_norm else None
+    kernels.rope_store(
+        qkv, positions, cos, sin, hq, hkv, d, k_cache, v_cache, slots, q_norm, k_norm, 1e-6
+    )
+
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    q = original[:, : hq * d].view(n, hq, d)
+    k = original[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
+    if qk_norm:
+        q, k = _torch_rms_norm(q, q_norm, 1e-6), _torch_rms_norm(k, k_norm, 1e-6)
+    _assert_bf16_close(qkv[:, : hq * d].view(n, hq, d), NativeLlamaBackend._rope(q, c, s))
+    assert torch.equal(qkv[:, hq * d :], original[:, hq * d :])  # k and v rows untouched
+    block, offset = slots // bs, slots % bs
+    _assert_bf16_close(k_cache[block, :, offset], NativeLlamaBackend._rope(k, c, s))
+    v = original[:, (hq + hkv) * d :].view(n, hkv, d)
+    assert torch.equal(v_cache[block, :, offset], v)
+
+
+def _reference_attention(
+    q, k_cache, v_cache, tables, row_table, row_len, hq, scale, window, softcap
+):
+    """fp32 attention of each query row over its sequence's first row_len positions."""
+    _, hkv, bs, d = k_cache.shape
+    out = torch.empty(q.shape[0], hq, d)
+    for n in range(q.shape[0]):
+        length = int(row_len[n])
+        pos = torch.arange(length)
+        table = tables[int(row_table[n])].long()
+        keys = k_cache[table[pos // bs], :, pos % bs].float()  # [L, Hkv, D]
+        values = v_cache[table[pos // bs], :, pos % bs].float()
+        keep = torch.ones(length, dtype=torch.bool)
+        if window:
+            keep &= pos > length - 1 - window
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            scores = keys[:, kv] @ q[n].view(hq, d)[h].float() * scale
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=0)
+            out[n, h] = probs @ values[:, kv]
+    return out.view(q.shape[0], hq * d)
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d,window,softcap",
+    [
+        (8, 2, 64, None, None),  # the small llama
+        (4, 2, 16, None, None),  # the tiny test models
+        (4, 4, 16, None, None),  # no GQA
+        (12, 2, 48, 5, None),  # a head_dim that is no multiple of 32, a sliding window
+        (16, 1, 128, None, 30.0),  # soft-capped scores
+    ],
+)
+def test_paged_attention_matches_an_fp32_reference(kernels, hq, hkv, d, window, softcap):
+    g = torch.Generator().manual_seed(hq * d)
+    bs, blocks = 4, 40
+    k_cache, v_cache = _cache(blocks, hkv, bs, d, g)
+    # Three sequences with scattered blocks; rows: one decode each plus a prefill chunk.
+    tables = torch.randperm(blocks - 1, generator=g)[:30].add(1).view(3, 10).to(torch.int32)
+    row_table = torch.tensor([0, 1, 2, 2, 2, 2], dtype=torch.int32)
+    row_len = torch.tensor([37, 1, 20, 21, 22, 23], dtype=torch.int32)
+    wide = torch.randn(6, 3 * hq * d, generator=g).to(BF16)
+    q = wide[:, hq * d : 2 * hq * d]  # strided rows, as q sits inside the qkv rows
+    scale = d**-0.5
+    out = kernels.paged_attention(
+        q, k_cache, v_cache, tables, row_table, row_len, hq, scale, window, softcap, 40
+    )
+    want = _reference_attention(
+        q, k_cache, v_cache, tables, row_table, row_len, hq, scale, window, softcap
+    )
+    torch.testing.assert_close(out.float(), want, atol=4e-3, rtol=8e-3)
+
+
+def test_both_builds_agree_on_attention_to_rounding():
+    native, portable = cpu_kernels.load(), cpu_kernels.load(portable=True)
+    g = torch.Generator().manual_seed(9)
+    k_cache, v_cache = _cache(20, 2, 16, 64, g)
+    tables = torch.arange(1, 17, dtype=torch.int32).view(2, 8)
+    row_table = torch.tensor([0, 1], dtype=torch.int32)
+    row_len = torch.tensor([100, 128], dtype=torch.int32)
+    q = torch.randn(2, 8 * 64, generator=g).to(BF16)
+    args = (q, k_cache, v_cache, tables, row_table, row_len, 8, 0.125, None, None, 128)
+    a, b = native.paged_attention(*args), portable.paged_attention(*args)
+    assert int(_ulps(a, b).max()) <= 1
+
+
+def test_shapes_beyond_the_kernels_are_named():
+    assert cpu_kernels.CpuKernels.supports(8, 2, 64) is None
+    assert "head_dim 512" in cpu_kernels.CpuKernels.supports(8, 2, 512)
+    assert "32 query heads over 1" in cpu_kernels.CpuKernels.supports(32, 1, 64)
