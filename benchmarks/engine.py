@@ -48,8 +48,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument(
         "--model-impls",
-        default="native,transformers",
-        help="engine paths to measure, comma-separated (native, transformers, auto)",
+        default="native,native-torch,transformers",
+        help="engine paths to measure, comma-separated: native (with the CPU kernels where "
+        "they build), native-torch (the native forward on torch's ops only), transformers, auto",
     )
     parser.set_defaults(run=run)
     return parser

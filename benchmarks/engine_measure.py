@@ -28,10 +28,13 @@ from protocol.messages import EngineCoreRequest, SamplingParams
 def _engine(
     args: argparse.Namespace, prefix_caching: bool = True, model_impl: str = "auto"
 ) -> EngineCore:
+    # "native-torch": the native forward on torch's ops alone, without the CPU kernels.
+    kernels = "off" if model_impl == "native-torch" else "auto"
     return EngineCore(
         EngineConfig(
             model=args.model,
-            model_impl=model_impl,
+            model_impl=model_impl.removesuffix("-torch"),
+            cpu_kernels=kernels,
             dtype=args.dtype,
             cpu_threads=args.threads,
             max_num_seqs=max(256, *_batch_sizes(args)),

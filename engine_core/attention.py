@@ -36,16 +36,33 @@ class PrefillChunk:
 
 
 @dataclass
+class PagedRows:
+    """A step's query rows as the CPU kernels take them: every row (decode or prefill)
+    attends to its sequence's first row_len positions through that sequence's block
+    table, and writes its own K/V to its cache slot first."""
+
+    slots: torch.Tensor  # int64 [N] block * block_size + offset of each new K/V
+    tables: torch.Tensor  # int32 [S, width] block tables of the step's sequences
+    row_table: torch.Tensor  # int32 [N] which table each row reads
+    row_len: torch.Tensor  # int32 [N] position + 1
+    max_len: int  # the longest row_len
+
+
+@dataclass
 class AttentionMetadata:
-    """Everything one forward's attention calls need; built once per step."""
+    """Everything one forward's attention calls need; built once per step. With
+    `rows` (the CPU kernels' form) the torch-path fields stay empty."""
 
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [blocks, Hkv, bs, D]
-    write_index: torch.Tensor  # [Hkv * N] cache row (block, head, offset) of each new K/V
-    num_decodes: int
-    decode_gather_index: torch.Tensor | None  # [num_decodes * Hkv * max_blocks]
-    decode_positions: torch.Tensor | None  # [num_decodes, 1] position of each decode query
-    decode_key_positions: torch.Tensor | None  # [1, max_blocks * block_size]
-    prefills: list[PrefillChunk]
+    write_index: torch.Tensor | None = (
+        None  # [Hkv * N] cache row (block, head, offset) of each new K/V
+    )
+    num_decodes: int = 0
+    decode_gather_index: torch.Tensor | None = None  # [num_decodes * Hkv * max_blocks]
+    decode_positions: torch.Tensor | None = None  # [num_decodes, 1] position of each decode query
+    decode_key_positions: torch.Tensor | None = None  # [1, max_blocks * block_size]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    rows: PagedRows | None = None
     _decode_biases: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _prefill_masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 

@@ -22,6 +22,7 @@ class EngineConfig:
     seed: int = 0
     cpu_threads: int | None = None  # None: usable cores // local engines
     model_impl: str = "auto"  # auto | native | transformers
+    cpu_kernels: str = "auto"  # auto: the native bf16 forward on CPU uses them | off
     max_logprobs: int = 20  # -1: the whole vocabulary
     data_parallel_rank: int = 0
     data_parallel_size_local: int = 1

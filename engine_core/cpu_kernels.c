@@ -96,25 +96,6 @@ void zs_rms_norm(const bf16 *x, int64_t x_stride, bf16 *residual, int64_t res_st
 }
 
 /* ---------------------------------------------------------------------------------
- * out = silu(gate) * up, gate and up being the two halves of each row of gate_up.
- */
-void zs_silu_mul(const bf16 *gate_up, int64_t in_stride, bf16 *out, int64_t out_stride,
-                 int64_t rows, int64_t inter) {
-#pragma omp parallel for schedule(static) if (rows * inter >= ZS_PARALLEL_MIN)
-    for (int64_t r = 0; r < rows; r++) {
-        const bf16 *g = gate_up + r * in_stride;
-        const bf16 *u = g + inter;
-        bf16 *o = out + r * out_stride;
-#pragma omp simd
-        for (int64_t i = 0; i < inter; i++) {
-            const float x = bf2f(g[i]);
-            const float s = round_bf(x / (1.f + expf(-x)));
-            o[i] = f2bf(s * bf2f(u[i]));
-        }
-    }
-}
-
-/* ---------------------------------------------------------------------------------
  * One token's rows of q and k: optional per-head RMSNorm (Qwen3), rotate-half RoPE
  * with that token's cos/sin rows, the result rounded as torch's
  * x * cos + rotate_half(x) * sin rounds it.
@@ -203,10 +184,31 @@ static inline __m512 load_bf16_as_f32(const bf16 *p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
-                       const int32_t *table, int64_t start, int64_t len, int64_t h,
-                       int64_t hkv, int64_t groups, int64_t d, int64_t bs, float scale,
-                       float softcap, bf16 *out, float *s, int64_t s_stride) {
+/* silu(g) rounded, times u, rounded: torch's two bf16 ops. e^-x for x < 0 can
+ * overflow exp512's range; silu is then -0 to within bf16, as torch gives. */
+static void silu_mul_row(const bf16 *g, const bf16 *u, bf16 *o, int64_t inter) {
+    int64_t i = 0;
+    for (; i + 16 <= inter; i += 16) {
+        const __m512 x = load_bf16_as_f32(g + i, 0xffff);
+        const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(88.f)));
+        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+        const __m256i sb = (__m256i)_mm512_cvtneps_pbh(silu);
+        const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sb), 16));
+        const __m512 y = _mm512_mul_ps(sr, load_bf16_as_f32(u + i, 0xffff));
+        _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(y));
+    }
+    for (; i < inter; i++) {
+        const float x = bf2f(g[i]);
+        o[i] = f2bf(round_bf(x / (1.f + expf(-x))) * bf2f(u[i]));
+    }
+}
+
+/* Inlined into callers with constant d and groups, so the common shapes keep q and
+ * the accumulators in registers (a generic loop spills them: 4x slower). */
+static inline __attribute__((always_inline)) void attend_row_impl(
+    const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table,
+    int64_t start, int64_t len, int64_t h, int64_t hkv, const int64_t groups, const int64_t d,
+    int64_t bs, float scale, float softcap, bf16 *out, float *s, int64_t s_stride) {
     const int64_t n = len - start;
     const int64_t dk = (d + 31) / 32;  /* 32-bf16 chunks of a row (dot products) */
     const int64_t dv = (d + 15) / 16;  /* 16-float chunks of a row (accumulation) */
@@ -291,7 +293,33 @@ static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
     }
 }
 
+#define ZS_ATTEND(D, G) \
+    attend_row_impl(q, k_cache, v_cache, table, start, len, h, hkv, G, D, bs, scale, softcap, out, s, s_stride)
+
+static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
+                       const int32_t *table, int64_t start, int64_t len, int64_t h,
+                       int64_t hkv, int64_t groups, int64_t d, int64_t bs, float scale,
+                       float softcap, bf16 *out, float *s, int64_t s_stride) {
+    if (d == 64 && groups == 4) ZS_ATTEND(64, 4);
+    else if (d == 64 && groups == 8) ZS_ATTEND(64, 8);
+    else if (d == 64 && groups == 2) ZS_ATTEND(64, 2);
+    else if (d == 128 && groups == 4) ZS_ATTEND(128, 4);
+    else if (d == 128 && groups == 8) ZS_ATTEND(128, 8);
+    else if (d == 128 && groups == 2) ZS_ATTEND(128, 2);
+    else if (d == 128 && groups == 7) ZS_ATTEND(128, 7);
+    else if (d == 16 && groups == 2) ZS_ATTEND(16, 2);
+    else ZS_ATTEND(d, groups);
+}
+
 #else /* portable */
+
+static void silu_mul_row(const bf16 *g, const bf16 *u, bf16 *o, int64_t inter) {
+#pragma omp simd
+    for (int64_t i = 0; i < inter; i++) {
+        const float x = bf2f(g[i]);
+        o[i] = f2bf(round_bf(x / (1.f + expf(-x))) * bf2f(u[i]));
+    }
+}
 
 static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
                        const int32_t *table, int64_t start, int64_t len, int64_t h,
@@ -345,6 +373,16 @@ static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
 }
 
 #endif
+
+/* ---------------------------------------------------------------------------------
+ * out = silu(gate) * up, gate and up being the two halves of each row of gate_up.
+ */
+void zs_silu_mul(const bf16 *gate_up, int64_t in_stride, bf16 *out, int64_t out_stride,
+                 int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static) if (rows * inter >= ZS_PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++)
+        silu_mul_row(gate_up + r * in_stride, gate_up + r * in_stride + inter, out + r * out_stride, inter);
+}
 
 void zs_paged_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache,
                         const bf16 *v_cache, const int32_t *tables, int64_t table_stride,

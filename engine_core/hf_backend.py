@@ -14,6 +14,10 @@ from engine_core.attention import AttentionMetadata
 
 
 class ModelBackend(Protocol):
+    # True: forward takes AttentionMetadata.rows (the CPU kernels' form), not the
+    # torch path's gather indices.
+    paged_rows: bool
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -26,6 +30,8 @@ class ModelBackend(Protocol):
 
 
 class TransformersBackend:
+    paged_rows = False
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
 

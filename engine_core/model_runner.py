@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from engine_core.attention import AttentionMetadata, PrefillChunk
+from engine_core.attention import AttentionMetadata, PagedRows, PrefillChunk
 from engine_core.config import EngineConfig
 from engine_core.hf_backend import ModelBackend, TransformersBackend
 from engine_core.kv_cache import KVCacheSpec, cpu_num_blocks, gpu_num_blocks
@@ -25,6 +25,7 @@ from engine_core.native_llama import (
     NativeLlamaBackend,
     native_unsupported_reason,
 )
+from engine_core.request import Request
 from engine_core.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -82,12 +83,14 @@ def _make_backend(
 ) -> ModelBackend:
     """auto: the native forward where the architecture has one, else transformers."""
     impl = config.model_impl
+    if config.cpu_kernels not in ("auto", "off"):
+        raise ValueError(f"cpu_kernels must be auto or off; got {config.cpu_kernels!r}")
     if impl not in ("auto", "native", "transformers"):
         raise ValueError(f"model_impl must be auto, native or transformers; got {impl!r}")
     if impl != "transformers":
         reason = native_unsupported_reason(info)
         if reason is None:
-            return NativeLlamaBackend(info, dtype, device, max_model_len)
+            return NativeLlamaBackend(info, dtype, device, max_model_len, config.cpu_kernels)
         if impl == "native":
             raise ValueError(
                 f"model_impl='native' is not available for this model ({reason}); native "
@@ -159,15 +162,21 @@ class ModelRunner:
         positions = torch.arange(num_tokens) % self.max_model_len
         slots = torch.arange(num_tokens)
         token_blocks = torch.tensor(blocks)[slots // bs]
-        meta = AttentionMetadata(
-            kv_caches=self.kv_caches,
-            write_index=self._write_index(token_blocks, slots % bs).to(self.device),
-            num_decodes=0,
-            decode_gather_index=None,
-            decode_positions=None,
-            decode_key_positions=None,
-            prefills=[PrefillChunk(0, num_tokens, 0, self._gather_index(blocks))],
-        )
+        if self.backend.paged_rows:
+            rows = PagedRows(
+                slots=token_blocks * bs + slots % bs,
+                tables=torch.tensor([blocks], dtype=torch.int32),
+                row_table=torch.zeros(num_tokens, dtype=torch.int32),
+                row_len=(positions + 1).to(torch.int32),
+                max_len=int(positions.max()) + 1,
+            )
+            meta = AttentionMetadata(kv_caches=self.kv_caches, rows=rows)
+        else:
+            meta = AttentionMetadata(
+                kv_caches=self.kv_caches,
+                write_index=self._write_index(token_blocks, slots % bs).to(self.device),
+                prefills=[PrefillChunk(0, num_tokens, 0, self._gather_index(blocks))],
+            )
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = positions.to(self.device)
         self.backend.forward(
@@ -201,46 +210,21 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Build every step tensor once; decodes (one token) packed first."""
         # Hot path: runs every step; per request only a few list operations.
-        bs = self.block_size
+        requests = [(r, n) for r, n in zip(out.requests, out.num_tokens) if n == 1]
+        num_decodes = len(requests)
+        requests += [(r, n) for r, n in zip(out.requests, out.num_tokens) if n != 1]
         ids: list[int] = []
         pos: list[int] = []
-        token_blocks: list[int] = []
-        tables: list[list[int]] = []
         row_of: dict[int, int] = {}
-        prefills = []
-        for request, n in zip(out.requests, out.num_tokens):
-            if n == 1:
-                p = request.num_computed_tokens
-                row_of[id(request)] = len(ids)
-                ids.append(request.all_token_ids[p])
-                pos.append(p)
-                token_blocks.append(request.block_ids[p // bs])
-                tables.append(request.block_ids)
-            else:
-                prefills.append((request, n))
-        num_decodes = len(ids)
-        decode_index = decode_pos = key_pos = None
-        if num_decodes:
-            width = max(len(t) for t in tables)
-            table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-            heads = self.spec.num_kv_heads
-            decode_index = (table[:, None, :] * heads + self._head_offsets[None, :, None]).flatten()
-            decode_pos = torch.tensor(pos)[:, None]
-            key_pos = self._key_positions[:, : width * bs]
-
-        chunks = []
-        block_parts = [torch.tensor(token_blocks, dtype=torch.long)]
-        for request, n in prefills:
+        for request, n in requests:
             start = request.num_computed_tokens
             row_of[id(request)] = len(ids)
-            ids.extend(request.all_token_ids[start : start + n])
-            pos.extend(range(start, start + n))
-            block_ids = request.block_ids[: -(-(start + n) // bs)]
-            chunk_pos = torch.arange(start, start + n)
-            block_parts.append(torch.tensor(block_ids)[chunk_pos // bs])
-            chunks.append(
-                PrefillChunk(len(ids) - n, len(ids), start, self._gather_index(block_ids))
-            )
+            if n == 1:
+                ids.append(request.all_token_ids[start])
+                pos.append(start)
+            else:
+                ids.extend(request.all_token_ids[start : start + n])
+                pos.extend(range(start, start + n))
 
         rows = [row_of[id(r)] + r.num_tokens - 1 - r.num_computed_tokens for r in out.sampling]
         for request, first, end in out.prompt_logprob_rows:
@@ -249,8 +233,69 @@ class ModelRunner:
 
         dev = self.device
         positions = torch.tensor(pos)
+        if self.backend.paged_rows:
+            meta = self._paged_rows_meta(requests, positions)
+        else:
+            meta = self._torch_meta(requests, num_decodes, positions)
+        return (
+            torch.tensor(ids, device=dev),
+            positions.to(dev),
+            meta,
+            torch.tensor(rows, dtype=torch.long, device=dev),
+        )
+
+    def _paged_rows_meta(
+        self, requests: list[tuple[Request, int]], positions: torch.Tensor
+    ) -> AttentionMetadata:
+        """The CPU kernels' metadata: one block table per sequence, one entry per row."""
+        bs = self.block_size
+        counts = [n for _, n in requests]
+        tables = [r.block_ids[: -(-(r.num_computed_tokens + n) // bs)] for r, n in requests]
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        row_table = torch.repeat_interleave(
+            torch.arange(len(requests), dtype=torch.int32), torch.tensor(counts)
+        )
+        token_blocks = table[row_table.long(), torch.div(positions, bs, rounding_mode="floor")]
+        rows = PagedRows(
+            slots=token_blocks.long() * bs + positions % bs,
+            tables=table,
+            row_table=row_table,
+            row_len=(positions + 1).to(torch.int32),
+            max_len=int(positions.max()) + 1,
+        )
+        return AttentionMetadata(kv_caches=self.kv_caches, rows=rows)
+
+    def _torch_meta(
+        self, requests: list[tuple[Request, int]], num_decodes: int, positions: torch.Tensor
+    ) -> AttentionMetadata:
+        """Gather indices and masks for attention in torch ops (decodes first)."""
+        bs = self.block_size
+        dev = self.device
+        decodes = [r for r, _ in requests[:num_decodes]]
+        decode_index = decode_pos = key_pos = None
+        token_blocks = [r.block_ids[r.num_computed_tokens // bs] for r in decodes]
+        if decodes:
+            tables = [r.block_ids for r in decodes]
+            width = max(len(t) for t in tables)
+            table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+            heads = self.spec.num_kv_heads
+            decode_index = (table[:, None, :] * heads + self._head_offsets[None, :, None]).flatten()
+            decode_pos = positions[:num_decodes, None]
+            key_pos = self._key_positions[:, : width * bs]
+
+        chunks = []
+        block_parts = [torch.tensor(token_blocks, dtype=torch.long)]
+        first = num_decodes
+        for request, n in requests[num_decodes:]:
+            start = request.num_computed_tokens
+            block_ids = request.block_ids[: -(-(start + n) // bs)]
+            chunk_pos = torch.arange(start, start + n)
+            block_parts.append(torch.tensor(block_ids)[chunk_pos // bs])
+            chunks.append(PrefillChunk(first, first + n, start, self._gather_index(block_ids)))
+            first += n
         blocks = torch.cat(block_parts) if chunks else block_parts[0]
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             kv_caches=self.kv_caches,
             write_index=self._write_index(blocks, positions % bs).to(dev),
             num_decodes=num_decodes,
@@ -258,10 +303,4 @@ class ModelRunner:
             decode_positions=None if decode_pos is None else decode_pos.to(dev),
             decode_key_positions=key_pos,
             prefills=chunks,
-        )
-        return (
-            torch.tensor(ids, device=dev),
-            positions.to(dev),
-            meta,
-            torch.tensor(rows, dtype=torch.long, device=dev),
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +21,11 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from engine_core import cpu_kernels
 from engine_core.attention import AttentionMetadata, paged_attention
 from engine_core.model_loader import ModelInfo
+
+logger = logging.getLogger(__name__)
 
 # architecture -> (transformers module, rotary class)
 NATIVE_ARCHITECTURES = {
@@ -121,10 +125,20 @@ class _Weights:
 
 
 class NativeLlamaBackend:
-    """forward(input_ids, positions, attn_meta, logits_indices) -> fp32 logits."""
+    """forward(input_ids, positions, attn_meta, logits_indices) -> fp32 logits.
+
+    bf16 on CPU runs through the C kernels of cpu_kernels (fused norms, RoPE with
+    the cache write, SiLU·mul, paged attention over all rows at once) where they
+    build; anything else, fp32 included, is torch's ops, transformers' exact order.
+    """
 
     def __init__(
-        self, info: ModelInfo, dtype: torch.dtype, device: torch.device, max_model_len: int
+        self,
+        info: ModelInfo,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        use_cpu_kernels: str = "auto",
     ) -> None:
         cfg = info.hf_config
         self.dtype, self.device = dtype, device
@@ -170,6 +184,17 @@ class NativeLlamaBackend:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         self.split = (q, kv, kv)
+        self.kernels = self._cpu_kernels(use_cpu_kernels)
+        self.paged_rows = self.kernels is not None
+
+    def _cpu_kernels(self, use: str) -> cpu_kernels.CpuKernels | None:
+        if use == "off" or self.device.type != "cpu" or self.dtype != torch.bfloat16:
+            return None
+        reason = cpu_kernels.CpuKernels.supports(self.num_heads, self.num_kv_heads, self.head_dim)
+        if reason is not None:
+            logger.info("CPU kernels do not cover this model (%s): torch's ops", reason)
+            return None
+        return cpu_kernels.load()
 
     def _rope_tables(self, info: ModelInfo, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [length, D] from transformers' own rotary module, computed once."""
@@ -200,6 +225,8 @@ class NativeLlamaBackend:
         attn_meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
+        if attn_meta.rows is not None:
+            return self._forward_kernels(input_ids, positions, attn_meta, logits_indices)
         n = input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         cos = self.cos.index_select(0, positions)[:, None, :]
@@ -236,3 +263,36 @@ class NativeLlamaBackend:
             hidden = residual + layer.down(F.silu(gate) * up)
         hidden = self._rms_norm(hidden.index_select(0, logits_indices), self.norm)
         return self.lm_head(hidden).float()
+
+    def _forward_kernels(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """The same arithmetic in fewer passes: each residual add is fused into the
+        norm after it, RoPE into the K/V cache write, SiLU into its product."""
+        # Hot path: per layer four matmuls and four kernel calls.
+        k, rows, eps = self.kernels, attn_meta.rows, self.eps
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        hidden = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        x = k.rms_norm(hidden, self.layers[0].input_norm, eps)
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = attn_meta.kv_caches[layer.layer_idx]
+            qkv = layer.qkv(x)
+            k.rope_store(
+                qkv, positions, self.cos, self.sin, hq, hkv, d, k_cache, v_cache,
+                rows.slots, layer.q_norm, layer.k_norm, eps,
+            )  # fmt: skip
+            attn = k.paged_attention(
+                qkv[:, : hq * d], k_cache, v_cache, rows.tables, rows.row_table, rows.row_len,
+                hq, self.scaling, layer.sliding_window, None, rows.max_len,
+            )  # fmt: skip
+            x = k.rms_norm(layer.o(attn), layer.post_norm, eps, residual=hidden)
+            down = layer.down(k.silu_mul(layer.gate_up(x)))
+            if i + 1 < len(self.layers):
+                x = k.rms_norm(down, self.layers[i + 1].input_norm, eps, residual=hidden)
+        # Only the rows that sample need the last residual add and the final norm.
+        last = hidden.index_select(0, logits_indices) + down.index_select(0, logits_indices)
+        return self.lm_head(k.rms_norm(last, self.norm, eps)).float()

@@ -177,6 +177,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--model-impl", default="auto", choices=["auto", "native", "vllm", "transformers"]
     )
+    g.add_argument(
+        "--cpu-kernels",
+        default="auto",
+        choices=["auto", "off"],
+        help="auto: the native bf16 forward on CPU runs zserve's C kernels (fused norms, "
+        "RoPE, SiLU and paged attention; compiled once per machine with gcc), falling back "
+        "to torch's ops where they cannot build; off: torch's ops always",
+    )
 
     g = p.add_argument_group("OpenAI API")
     g.add_argument(

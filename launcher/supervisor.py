@@ -100,6 +100,7 @@ def engine_config(args: argparse.Namespace, model_dir: str, local_engines: int) 
         seed=args.seed,
         cpu_threads=engine_threads(args, local_engines),
         model_impl="native" if args.model_impl == "vllm" else args.model_impl,
+        cpu_kernels=args.cpu_kernels,
         max_logprobs=args.max_logprobs,
         data_parallel_size_local=max(local_engines, 1),
     )

@@ -19,18 +19,19 @@ def test_bench_engine_reports_ratios_prefill_and_prefix_cache(tiny_model, tmp_pa
     args = parser.parse_args(
         ["engine", "--model", str(tiny_model("llama")), "--batch-sizes", "1,4"]
         + ["--decode-steps", "3", "--repeats", "1", "--prefill-len", "48", "--prefill-prompts", "2"]
-        + ["--prefix-len", "32", "--prefix-requests", "3", "--dtype", "float32"]
+        + ["--prefix-len", "32", "--prefix-requests", "3", "--dtype", "bfloat16"]
         + ["--kv-cache-memory-bytes", str(1 << 20), "--json", str(out)]
     )
     assert args.run(args) == 0
     result = json.loads(out.read_text())
     assert [d["batch"] for d in result["decode"]] == [1, 4]
-    assert result["model_impls"] == ["native", "transformers"]
+    impls = ["native", "native-torch", "transformers"]
+    assert result["model_impls"] == impls
     for d in result["decode"]:
         assert d["limit_ms"]["median"] > 0
-        assert all(d[impl]["ratio"]["median"] > 0 for impl in ("native", "transformers"))
+        assert all(d[impl]["ratio"]["median"] > 0 for impl in impls)
     assert result["prefill"]["engine_tok_s"]["median"] > 0
     # Requests 2 and 3 reuse the 2 full shared blocks: 64 of 144 looked-up tokens.
     assert result["prefix_cache"]["hit_rate"] == pytest.approx(64 / 144)
     out = capsys.readouterr().out
-    assert "bare HF loop" in out and "native" in out and "transformers" in out
+    assert all(name in out for name in ["bare HF loop", *impls])
