@@ -42,6 +42,7 @@ _SIGNATURES = {
         _P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _F, _F, _P, _I64,
         _I64,
     ],
+    "zs_softmax_draw": [_P, _I64, _P, _I64, _I64, _P],
 }  # fmt: skip
 
 
@@ -57,6 +58,7 @@ class CpuKernels:
         self._silu_mul = lib.zs_silu_mul
         self._rope_store = lib.zs_rope_store
         self._attention = lib.zs_paged_attention
+        self._softmax_draw = lib.zs_softmax_draw
         self.avx512 = bool(lib.zs_has_avx512())
 
     @staticmethod
@@ -150,6 +152,17 @@ class CpuKernels:
             rows, num_heads, num_kv_heads, head_dim, block_size, window or 0, scale,
             softcap or 0.0, out.data_ptr(), out.stride(0), max_len,
         )  # fmt: skip
+        return out
+
+    def softmax_draw(self, logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [B, V] (-inf: excluded), uniforms u fp32 [B] in [0, 1) → token
+        ids int64 [B]: per row the inverse-CDF draw from softmax(logits)."""
+        rows, vocab = logits.shape
+        u = u.reshape(rows).contiguous()
+        out = torch.empty(rows, dtype=torch.long)
+        self._softmax_draw(
+            logits.data_ptr(), logits.stride(0), u.data_ptr(), rows, vocab, out.data_ptr()
+        )
         return out
 
 

@@ -56,7 +56,9 @@ class EngineCore:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             policy=config.scheduling_policy,
         )
-        self.sampler = Sampler(self.vocab_size, self.runner.device, config.seed)
+        self.sampler = Sampler(
+            self.vocab_size, self.runner.device, config.seed, kernels=self.runner.kernels
+        )
         self.requests: dict[str, Request] = {}
         self.num_aborted = 0
         self.num_steps = 0

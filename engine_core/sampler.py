@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from engine_core.cpu_kernels import CpuKernels
 from engine_core.logits_processors import apply_processors
 from engine_core.request import Request
 
@@ -26,9 +27,15 @@ _BELOW_ONE = 1.0 - 2.0**-20
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device, seed: int) -> None:
+    """`kernels`: the CPU kernels, which fuse the final softmax and draw (one pass over
+    each row instead of softmax, block sums and scans in separate ops)."""
+
+    def __init__(
+        self, vocab_size: int, device: torch.device, seed: int, kernels: CpuKernels | None = None
+    ) -> None:
         self.vocab_size = vocab_size
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.kernels = kernels
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """fp32 logits [B, V] (modified in place), one row per request → token ids [B]."""
@@ -65,7 +72,10 @@ class Sampler:
             else:
                 idx = torch.tensor(rows, device=dev)
                 logits[idx] = truncate(logits[idx], top_k, top_p)
-        return draw(torch.softmax(logits, dim=-1), self._uniforms(requests, dev))
+        u = self._uniforms(requests, dev)
+        if self.kernels is not None:
+            return self.kernels.softmax_draw(logits, u)
+        return draw(torch.softmax(logits, dim=-1), u)
 
     def _uniforms(self, requests: list[Request], device: torch.device) -> torch.Tensor:
         """[B, 1] uniforms in [0, 1): seeded rows from their own generator."""

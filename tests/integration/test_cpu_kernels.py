@@ -194,3 +194,32 @@ def test_shapes_beyond_the_kernels_are_named():
     assert cpu_kernels.CpuKernels.supports(8, 2, 64) is None
     assert "head_dim 512" in cpu_kernels.CpuKernels.supports(8, 2, 512)
     assert "32 query heads over 1" in cpu_kernels.CpuKernels.supports(32, 1, 64)
+
+
+@pytest.mark.parametrize("vocab", [7, 16, 300, 8192])
+def test_softmax_draw_gives_each_token_its_share_of_the_unit_interval(kernels, vocab):
+    # Uniforms on an even grid: token t must take a share of the draws equal to its
+    # probability, to within one grid step at each end of its interval.
+    g = torch.Generator().manual_seed(vocab)
+    logits = 2 * torch.randn(1, vocab, generator=g)
+    logits[0, ::3] = float("-inf")  # excluded tokens
+    n = 20_000
+    u = (torch.arange(n, dtype=torch.float32) + 0.5) / n
+    tokens = kernels.softmax_draw(logits.expand(n, vocab).contiguous(), u)
+    counts = torch.bincount(tokens, minlength=vocab).float()
+    probs = torch.softmax(logits[0].double(), dim=0)
+    assert counts[::3].sum() == 0, "an excluded token was drawn"
+    assert (counts - n * probs).abs().max() <= 2.0
+    # The draw is monotone in u: inverse-CDF order.
+    assert bool((tokens[1:] >= tokens[:-1]).all())
+
+
+def test_softmax_draw_edges_never_pick_a_token_without_mass(kernels):
+    logits = torch.full((4, 40), float("-inf"))
+    logits[:, 5] = 0.0
+    logits[:, 39] = 0.0  # mass only in the first and the last block
+    u = torch.tensor([0.0, 0.4999, 0.5001, 1.0 - 2.0**-24])
+    assert kernels.softmax_draw(logits, u).tolist() == [5, 5, 39, 39]
+    single = torch.full((1, 33), float("-inf"))
+    single[0, 32] = 3.0  # the only token sits alone in a tail block
+    assert kernels.softmax_draw(single, torch.tensor([0.999999])).tolist() == [32]

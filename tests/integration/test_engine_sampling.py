@@ -72,6 +72,16 @@ def test_prompt_logprobs_accumulate_across_prefill_chunks(llama):
 
 
 def test_seeded_request_gives_the_same_tokens_alone_and_in_a_batch_of_8(llm):
+    _check_seeded_batch_independence(llm)
+
+
+def test_seeded_sampling_through_the_cpu_kernels_is_batch_independent_too(llama):
+    llm = LLM(str(llama), kv_cache_memory_bytes=SMALL_KV, dtype="bfloat16")
+    assert llm.engine.sampler.kernels is not None  # the fused softmax and draw
+    _check_seeded_batch_independence(llm)
+
+
+def _check_seeded_batch_independence(llm: LLM) -> None:
     prompts = make_prompts()
     seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
     (alone,) = llm.generate([prompts[1]], seeded)
