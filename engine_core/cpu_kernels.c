@@ -31,6 +31,8 @@ typedef uint16_t bf16;
 
 #define ZS_MAX_HEAD_DIM 256
 #define ZS_MAX_GROUP 16
+/* Query heads per KV head, padded to a divisor of 16 (the AVX-512 scores' layout). */
+#define ZS_PAD_GROUPS(g) ((g) <= 4 ? 4 : (g) <= 8 ? 8 : 16)
 /* Below this many elements a loop runs on one thread: waking the others costs more. */
 #define ZS_PARALLEL_MIN 16384
 
@@ -226,6 +228,10 @@ static float row_max(const float *x, int64_t vocab) {
     return best;
 }
 
+static inline void prefetch_block(const bf16 *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+}
+
 /* Inlined into callers with constant d and groups, so the common shapes keep q and
  * the accumulators in registers (a generic loop spills them: 4x slower). */
 static inline __attribute__((always_inline)) void attend_row_impl(
@@ -235,20 +241,31 @@ static inline __attribute__((always_inline)) void attend_row_impl(
     const int64_t n = len - start;
     const int64_t dk = (d + 31) / 32;  /* 32-bf16 chunks of a row (dot products) */
     const int64_t dv = (d + 15) / 16;  /* 16-float chunks of a row (accumulation) */
-    const int64_t g4 = (groups + 3) / 4 * 4;
     __m512bh qv[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM / 32];
-    for (int64_t g = 0; g < g4; g++)
+    for (int64_t g = 0; g < ZS_PAD_GROUPS(groups); g++)
         for (int64_t c = 0; c < dk; c++) {
             const int64_t left = d - c * 32;
             const __mmask32 m = left >= 32 ? 0xffffffffu : ((1u << left) - 1u);
             qv[g][c] = g < groups ? (__m512bh)_mm512_maskz_loadu_epi16(m, q + g * d + c * 32)
                                   : (__m512bh)_mm512_setzero_si512();
         }
-    float best[ZS_MAX_GROUP];
-    for (int64_t g = 0; g < g4; g++) best[g] = -INFINITY;
-    /* Scores: K rows once each, every query head of the group against them. */
+    /* Scores go key-major, s[t * gp + g], gp a divisor of 16: each key's scores are
+     * one store, and the softmax below runs on whole vectors. */
+    const int64_t gp = ZS_PAD_GROUPS(groups);
+    __m128 best[ZS_MAX_GROUP / 4];
+    for (int64_t g = 0; g < gp; g += 4) best[g / 4] = _mm_set1_ps(-INFINITY);
+    /* The cache blocks are scattered, so the hardware prefetcher starts cold at each
+     * one: ask for the next K block and this block's V rows ahead of their use. */
+    const int64_t row_bytes = d * (int64_t)sizeof(bf16), block_bytes = bs * row_bytes;
+    prefetch_block(k_cache + (((int64_t)table[start / bs] * hkv + h) * bs) * d, block_bytes);
     for (int64_t t = 0; t < n; t++) {
         const int64_t pos = start + t;
+        if (pos % bs == 0 || t == 0) {
+            const int64_t b = pos / bs, base = ((int64_t)table[b] * hkv + h) * bs * d;
+            prefetch_block(v_cache + base, block_bytes);
+            if ((b + 1) * bs < len)
+                prefetch_block(k_cache + (((int64_t)table[b + 1] * hkv + h) * bs) * d, block_bytes);
+        }
         const bf16 *kr = k_cache + (((int64_t)table[pos / bs] * hkv + h) * bs + pos % bs) * d;
         __m512bh kv[ZS_MAX_HEAD_DIM / 32];
         for (int64_t c = 0; c < dk; c++) {
@@ -256,7 +273,7 @@ static inline __attribute__((always_inline)) void attend_row_impl(
             const __mmask32 m = left >= 32 ? 0xffffffffu : ((1u << left) - 1u);
             kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, kr + c * 32);
         }
-        for (int64_t g = 0; g < g4; g += 4) {
+        for (int64_t g = 0; g < gp; g += 4) {
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (int64_t c = 0; c < dk; c++) {
                 a0 = _mm512_dpbf16_ps(a0, qv[g][c], kv[c]);
@@ -264,29 +281,38 @@ static inline __attribute__((always_inline)) void attend_row_impl(
                 a2 = _mm512_dpbf16_ps(a2, qv[g + 2][c], kv[c]);
                 a3 = _mm512_dpbf16_ps(a3, qv[g + 3][c], kv[c]);
             }
-            float r[4];
-            _mm_storeu_ps(r, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
-            for (int64_t j = 0; j < 4; j++) {
-                float x = r[j];
-                if (softcap > 0.f) x = tanhf(x / softcap) * softcap;
-                s[(g + j) * s_stride + t] = x;
-                if (x > best[g + j]) best[g + j] = x;
+            __m128 r = _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale));
+            if (softcap > 0.f) {
+                float x[4];
+                _mm_storeu_ps(x, r);
+                for (int j = 0; j < 4; j++) x[j] = tanhf(x[j] / softcap) * softcap;
+                r = _mm_loadu_ps(x);
             }
+            _mm_storeu_ps(s + t * gp + g, r);
+            best[g / 4] = _mm_max_ps(best[g / 4], r);
         }
     }
-    /* Softmax numerators in place; the padding to 16 contributes exp(-inf) = 0. */
+    /* Softmax numerators in place, a whole vector (16 / gp keys) at a time; the
+     * padding past the last key is -inf and contributes nothing. */
+    const int64_t flat = n * gp, padded = (flat + 15) / 16 * 16;
+    for (int64_t i = flat; i < padded; i++) s[i] = -INFINITY;
+    float lane_max[16], lane_sum[16];
+    for (int64_t l = 0; l < 16; l += 4) _mm_storeu_ps(lane_max + l, best[(l % gp) / 4]);
+    const __m512 mx = _mm512_loadu_ps(lane_max), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < padded; i += 16) {
+        const __m512 x = _mm512_loadu_ps(s + i);
+        const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+        const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, mx)));
+        _mm512_storeu_ps(s + i, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    _mm512_storeu_ps(lane_sum, sum);
     float inv[ZS_MAX_GROUP];
     for (int64_t g = 0; g < groups; g++) {
-        float *sg = s + g * s_stride;
-        for (int64_t t = n; t < (n + 15) / 16 * 16; t++) sg[t] = -INFINITY;
-        const __m512 mx = _mm512_set1_ps(best[g]);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < n; t += 16) {
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mx));
-            _mm512_storeu_ps(sg + t, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        inv[g] = 1.f / _mm512_reduce_add_ps(sum);
+        float total = 0.f;
+        for (int64_t l = g; l < 16; l += gp) total += lane_sum[l];
+        inv[g] = 1.f / total;
     }
     /* Weighted V rows, each read once for the whole group. */
     __m512 acc[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM / 16];
@@ -301,7 +327,7 @@ static inline __attribute__((always_inline)) void attend_row_impl(
             vv[c] = load_bf16_as_f32(vr + c * 16, left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u));
         }
         for (int64_t g = 0; g < groups; g++) {
-            const __m512 p = _mm512_set1_ps(s[g * s_stride + t]);
+            const __m512 p = _mm512_set1_ps(s[t * gp + g]);
             for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
         }
     }
@@ -433,7 +459,7 @@ void zs_paged_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache,
     const int64_t groups = hq / hkv;
     /* Score rows padded to 16 floats (the vector width) per query head. */
     const int64_t s_stride = (max_len + 15) / 16 * 16;
-    const int64_t g4 = (groups + 3) / 4 * 4;
+    const int64_t g4 = ZS_PAD_GROUPS(groups);
 #pragma omp parallel if (rows * hkv > 1)
     {
         float *s = (float *)malloc(sizeof(float) * g4 * s_stride);
