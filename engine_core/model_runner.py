@@ -249,19 +249,27 @@ class ModelRunner:
         self, requests: list[tuple[Request, int]], positions: torch.Tensor
     ) -> AttentionMetadata:
         """The CPU kernels' metadata: one block table per sequence, one entry per row."""
+        # Hot path: plain lists, one tensor each at the end (repeat_interleave and
+        # fancy indexing cost more than the lists at these sizes).
         bs = self.block_size
-        counts = [n for _, n in requests]
-        tables = [r.block_ids[: -(-(r.num_computed_tokens + n) // bs)] for r, n in requests]
+        tables: list[list[int]] = []
+        row_table: list[int] = []
+        slots: list[int] = []
+        for i, (request, n) in enumerate(requests):
+            start = request.num_computed_tokens
+            blocks = request.block_ids
+            tables.append(blocks[: -(-(start + n) // bs)])
+            if n == 1:
+                row_table.append(i)
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                row_table.extend([i] * n)
+                slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
         width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        row_table = torch.repeat_interleave(
-            torch.arange(len(requests), dtype=torch.int32), torch.tensor(counts)
-        )
-        token_blocks = table[row_table.long(), torch.div(positions, bs, rounding_mode="floor")]
         rows = PagedRows(
-            slots=token_blocks.long() * bs + positions % bs,
-            tables=table,
-            row_table=row_table,
+            slots=torch.tensor(slots),
+            tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            row_table=torch.tensor(row_table, dtype=torch.int32),
             row_len=(positions + 1).to(torch.int32),
             max_len=int(positions.max()) + 1,
         )
