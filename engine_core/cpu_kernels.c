@@ -144,6 +144,12 @@ void zs_rope_store(bf16 *qkv, int64_t row_stride, const int64_t *positions, cons
     }
 }
 
+/* Row `pos` of KV head h of a sequence in a [blocks, hkv, bs, d] cache, through its table. */
+static inline const bf16 *cache_row(const bf16 *cache, const int32_t *table, int64_t pos,
+                                    int64_t h, int64_t hkv, int64_t bs, int64_t d) {
+    return cache + (((int64_t)table[pos / bs] * hkv + h) * bs + pos % bs) * d;
+}
+
 /* ---------------------------------------------------------------------------------
  * Paged attention, one query token per row, decode and prefill alike: row n attends
  * to the first row_len[n] positions of the sequence whose block table is
@@ -266,7 +272,7 @@ static inline __attribute__((always_inline)) void attend_row_impl(
             if ((b + 1) * bs < len)
                 prefetch_block(k_cache + (((int64_t)table[b + 1] * hkv + h) * bs) * d, block_bytes);
         }
-        const bf16 *kr = k_cache + (((int64_t)table[pos / bs] * hkv + h) * bs + pos % bs) * d;
+        const bf16 *kr = cache_row(k_cache, table, pos, h, hkv, bs, d);
         __m512bh kv[ZS_MAX_HEAD_DIM / 32];
         for (int64_t c = 0; c < dk; c++) {
             const int64_t left = d - c * 32;
@@ -320,7 +326,7 @@ static inline __attribute__((always_inline)) void attend_row_impl(
         for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; t++) {
         const int64_t pos = start + t;
-        const bf16 *vr = v_cache + (((int64_t)table[pos / bs] * hkv + h) * bs + pos % bs) * d;
+        const bf16 *vr = cache_row(v_cache, table, pos, h, hkv, bs, d);
         __m512 vv[ZS_MAX_HEAD_DIM / 16];
         for (int64_t c = 0; c < dv; c++) {
             const int64_t left = d - c * 16;
@@ -399,7 +405,7 @@ static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
     for (int64_t g = 0; g < groups; g++) best[g] = -INFINITY;
     for (int64_t t = 0; t < n; t++) {
         const int64_t pos = start + t;
-        const bf16 *kr = k_cache + (((int64_t)table[pos / bs] * hkv + h) * bs + pos % bs) * d;
+        const bf16 *kr = cache_row(k_cache, table, pos, h, hkv, bs, d);
         float kf[ZS_MAX_HEAD_DIM];
         for (int64_t j = 0; j < d; j++) kf[j] = bf2f(kr[j]);
         for (int64_t g = 0; g < groups; g++) {
@@ -425,7 +431,7 @@ static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
     memset(acc, 0, sizeof(acc));
     for (int64_t t = 0; t < n; t++) {
         const int64_t pos = start + t;
-        const bf16 *vr = v_cache + (((int64_t)table[pos / bs] * hkv + h) * bs + pos % bs) * d;
+        const bf16 *vr = cache_row(v_cache, table, pos, h, hkv, bs, d);
         float vf[ZS_MAX_HEAD_DIM];
         for (int64_t j = 0; j < d; j++) vf[j] = bf2f(vr[j]);
         for (int64_t g = 0; g < groups; g++) {
