@@ -190,6 +190,8 @@ class NativeLlamaBackend:
     def _cpu_kernels(self, use: str) -> cpu_kernels.CpuKernels | None:
         if use == "off" or self.device.type != "cpu" or self.dtype != torch.bfloat16:
             return None
+        if self.cos.dtype != torch.bfloat16:  # the kernels read the tables as bf16
+            return None
         reason = cpu_kernels.CpuKernels.supports(self.num_heads, self.num_kv_heads, self.head_dim)
         if reason is not None:
             logger.info("CPU kernels do not cover this model (%s): torch's ops", reason)
