@@ -30,7 +30,7 @@ class FrontendConfig:
     enable_tokenizer_info_endpoint: bool = False
     enable_server_load_tracking: bool = False
     disable_fastapi_docs: bool = False
-    disable_log_requests: bool = True
+    enable_log_requests: bool = False
     disable_log_stats: bool = False
     api_key: str | None = None
     allowed_origins: list[str] = field(default_factory=list)

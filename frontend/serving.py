@@ -211,7 +211,7 @@ class ServingContext:
         except BaseException:
             self.finish(generation)
             raise
-        if not self.config.disable_log_requests:
+        if self.config.enable_log_requests:
             c = choices[0]
             log.info(
                 "request %s: %d choice(s), %d prompt tokens, max_tokens %d, engine %d",

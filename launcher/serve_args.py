@@ -224,7 +224,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="count in-flight requests for GET /load",
     )
     g.add_argument("--disable-fastapi-docs", action="store_true", help="do not serve /openapi.json")
-    g.add_argument("--disable-log-requests", action="store_true", help="no log line per request")
+    g.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log a line per request (off by default, as in vLLM since 0.10)",
+    )
+    g.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted for older vLLM command lines: request lines are off by default",
+    )
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic engine stats line")
     g.add_argument(
         "--api-key",

@@ -133,7 +133,7 @@ def frontend_config(args: argparse.Namespace, model_dir: str, tokenizer_dir: str
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         enable_server_load_tracking=args.enable_server_load_tracking,
         disable_fastapi_docs=args.disable_fastapi_docs,
-        disable_log_requests=args.disable_log_requests,
+        enable_log_requests=args.enable_log_requests and not args.disable_log_requests,
         disable_log_stats=args.disable_log_stats,
         api_key=args.api_key,
         allowed_origins=args.allowed_origins,

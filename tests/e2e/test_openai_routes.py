@@ -6,6 +6,7 @@ test_openai_flags.py; --disable-fastapi-docs in test_openai_transport.py.
 
 from __future__ import annotations
 
+import re
 import threading
 from contextlib import ExitStack
 
@@ -100,6 +101,13 @@ def test_load_stays_zero_without_server_load_tracking(default_server, http):
     finally:
         stop.set()
         t.join()
+
+
+def test_requests_are_not_logged_line_by_line_by_default(default_server, http):
+    # vLLM's default since 0.10 (--enable-log-requests turns the lines on).
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200
+    assert not re.search(r"zserve\.api: request \S+: \d+ choice\(s\)", default_server.log())
 
 
 def test_tokenizer_info_is_off_by_default(http):

@@ -131,6 +131,7 @@ def server(tiny_model, certificate, tmp_path_factory):
         "--middleware", "zserve_test_middleware.stamp",
         *tls,
         "--disable-fastapi-docs",
+        "--enable-log-requests",
         context=context,
         env={"ZSERVE_API_KEY": KEY, "PYTHONPATH": path},
     ) as s:  # fmt: skip
@@ -369,7 +370,7 @@ def test_admission_limits_are_503s_with_retry_after_before_any_stream(http):
 # --- logs (item 8) ---------------------------------------------------------------------
 
 
-def test_the_stats_line_and_request_lines_are_logged(server, http):
+def test_the_stats_line_and_with_enable_log_requests_request_lines_are_logged(server, http):
     def logged() -> bool:
         http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         return "zserve.stats: engine 0: running" in server.log()
