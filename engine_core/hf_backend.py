@@ -11,12 +11,14 @@ from typing import Protocol
 import torch
 
 from engine_core.attention import AttentionMetadata
+from engine_core.cpu_kernels import CpuKernels
 
 
 class ModelBackend(Protocol):
     # True: forward takes AttentionMetadata.rows (the CPU kernels' form), not the
     # torch path's gather indices.
     paged_rows: bool
+    kernels: CpuKernels | None  # the CPU kernels this backend runs on, if any
 
     def forward(
         self,
@@ -31,6 +33,7 @@ class ModelBackend(Protocol):
 
 class TransformersBackend:
     paged_rows = False
+    kernels = None
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model

@@ -115,7 +115,7 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.backend = _make_backend(config, self.info, self.dtype, self.device, self.max_model_len)
         self.model_impl = type(self.backend).__name__
-        self.kernels = getattr(self.backend, "kernels", None)  # the CPU kernels, if in use
+        self.kernels = self.backend.kernels  # the CPU kernels, if in use
         self.spec = KVCacheSpec(
             self.info.num_layers,
             self.info.num_kv_heads,
