@@ -399,8 +399,13 @@ class EngineCoreProc:
         finally:
             self.stop.set()
             self.output_queue.put(None)
+            # One deadline for all the threads, so a stuck one costs 5 s, not 5 s each.
+            deadline = time.monotonic() + 5.0
             for t in threads:
-                t.join(timeout=5)
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+            stuck = [t.name for t in threads if t.is_alive()]
+            if stuck:
+                log.warning("engine %d: %s still running at exit", self.rank, ", ".join(stuck))
             self.ctx.destroy(linger=500)
 
     def request_shutdown(self) -> None:

@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -63,6 +64,17 @@ def _wait_for(predicate, timeout: float, interval: float = 0.05) -> float:
             raise AssertionError("condition not met in time")
         time.sleep(interval)
     return time.monotonic() - t0
+
+
+def _describe(pid: int) -> str:
+    """pid, name, state and kernel wait channel of a process, for failure messages."""
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+    except OSError:
+        return f"{pid} (gone)"
+    return f"{pid} {name} state {state} wchan {wchan}"
 
 
 def _health(base_url: str) -> int | None:
@@ -167,7 +179,12 @@ def test_sigkill_of_the_supervisor_leaves_no_orphans(tiny_model):
         assert len(pids) >= 5
         os.kill(server.proc.pid, signal.SIGKILL)
         server.proc.wait(10)
-        _wait_for(lambda: not group_pids(server.proc.pid), timeout=15, interval=0.1)
+        # PR_SET_PDEATHSIG SIGTERMs every child; each then shuts down (normally ~1-2 s).
+        try:
+            _wait_for(lambda: not group_pids(server.proc.pid), timeout=30, interval=0.1)
+        except AssertionError:
+            left = [_describe(pid) for pid in group_pids(server.proc.pid)]
+            raise AssertionError(f"still running: {left}\n{server.log()[-3000:]}") from None
         assert port_is_free(server.port)
 
 
