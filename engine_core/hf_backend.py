@@ -15,10 +15,9 @@ from engine_core.cpu_kernels import CpuKernels
 
 
 class ModelBackend(Protocol):
-    # True: forward takes AttentionMetadata.rows (the CPU kernels' form), not the
-    # torch path's gather indices.
-    paged_rows: bool
-    kernels: CpuKernels | None  # the CPU kernels this backend runs on, if any
+    # The CPU kernels this backend runs on, if any. With them, forward takes
+    # AttentionMetadata.rows (the kernels' form), not the torch path's gather indices.
+    kernels: CpuKernels | None
 
     def forward(
         self,
@@ -32,7 +31,6 @@ class ModelBackend(Protocol):
 
 
 class TransformersBackend:
-    paged_rows = False
     kernels = None
 
     def __init__(self, model: torch.nn.Module) -> None:

@@ -163,7 +163,7 @@ class ModelRunner:
         positions = torch.arange(num_tokens) % self.max_model_len
         slots = torch.arange(num_tokens)
         token_blocks = torch.tensor(blocks)[slots // bs]
-        if self.backend.paged_rows:
+        if self.backend.kernels is not None:
             rows = PagedRows(
                 slots=token_blocks * bs + slots % bs,
                 tables=torch.tensor([blocks], dtype=torch.int32),
@@ -234,7 +234,7 @@ class ModelRunner:
 
         dev = self.device
         positions = torch.tensor(pos)
-        if self.backend.paged_rows:
+        if self.backend.kernels is not None:
             meta = self._paged_rows_meta(requests, positions)
         else:
             meta = self._torch_meta(requests, num_decodes, positions)

@@ -185,7 +185,6 @@ class NativeLlamaBackend:
         kv = self.num_kv_heads * self.head_dim
         self.split = (q, kv, kv)
         self.kernels = self._cpu_kernels(use_cpu_kernels)
-        self.paged_rows = self.kernels is not None
 
     def _cpu_kernels(self, use: str) -> cpu_kernels.CpuKernels | None:
         if use == "off" or self.device.type != "cpu" or self.dtype != torch.bfloat16:

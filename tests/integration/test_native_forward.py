@@ -55,7 +55,9 @@ def _compare(model_dir, dtype: str | None = None, cpu_kernels: str = "auto") -> 
     llm = LLM(str(model_dir), **kwargs)
     runner = llm.engine.runner
     assert isinstance(runner.backend, NativeLlamaBackend)
-    assert runner.backend.paged_rows == (cpu_kernels == "auto" and runner.dtype == torch.bfloat16)
+    assert (runner.backend.kernels is not None) == (
+        cpu_kernels == "auto" and runner.dtype == torch.bfloat16
+    )
     reference = TransformersBackend(load_model(runner.info, runner.dtype, runner.device))
     both = _Both(runner, reference)
     runner.execute = both.execute
