@@ -532,3 +532,103 @@ void zs_softmax_draw(const float *logits, int64_t stride, const float *u, int64_
         free(e);
     }
 }
+
+#if ZS_AVX512
+/* ---------------------------------------------------------------------------------
+ * Linear layers, y = x Wᵀ (+ b), on AVX512-BF16 dot products (AVX-512 build only:
+ * elsewhere oneDNN's matmul stays). Each product sums in fp32 and rounds to bf16
+ * once, as oneDNN's does; only the order of the sum differs.
+ *
+ * The weight [N, K] is packed once into tiles of 32 output columns, each tile
+ * K/2 pairs x 32 columns x 2: one pair of K for 32 columns is two vector loads, and
+ * one 32-bit broadcast of x feeds both. A tile is one unit of work, taken by
+ * whichever thread is free (schedule dynamic), so a thread the OS descheduled holds
+ * up at most its current tile, not half of the matmul; the tile stays in L1/L2
+ * while all M rows pass over it, 8 rows at a time (16 accumulators in registers).
+ */
+#define ZS_TILE 32
+
+int64_t zs_linear_packed_len(int64_t n, int64_t k) {
+    return (n + ZS_TILE - 1) / ZS_TILE * ((k + 1) / 2) * 2 * ZS_TILE;
+}
+
+void zs_pack_linear(const bf16 *w, int64_t n, int64_t k, bf16 *out) {
+    const int64_t pairs = (k + 1) / 2, tiles = (n + ZS_TILE - 1) / ZS_TILE;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t p = 0; p < pairs; p++)
+            for (int64_t c = 0; c < ZS_TILE; c++)
+                for (int64_t e = 0; e < 2; e++) {
+                    const int64_t col = t * ZS_TILE + c, kk = 2 * p + e;
+                    out[((t * pairs + p) * ZS_TILE + c) * 2 + e] =
+                        (col < n && kk < k) ? w[col * k + kk] : 0;
+                }
+}
+
+/* Rows [0, R) of x against one packed tile into y's 32 columns (masks: the columns
+ * that exist). An odd K's last pair takes x's last element alone. */
+static inline __attribute__((always_inline)) void linear_rows(
+    const bf16 *x, int64_t xs, const bf16 *tile, int64_t k, const float *bias, bf16 *y,
+    int64_t ys, const int R, __mmask16 m0, __mmask16 m1) {
+    __m512 acc[8][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int64_t full = k / 2;
+    for (int64_t p = 0; p < full; p++) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(tile + p * 2 * ZS_TILE);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(tile + p * 2 * ZS_TILE + ZS_TILE);
+        for (int r = 0; r < R; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * xs + 2 * p, sizeof(pair));
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+        }
+    }
+    if (k % 2) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(tile + full * 2 * ZS_TILE);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(tile + full * 2 * ZS_TILE + ZS_TILE);
+        for (int r = 0; r < R; r++) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int32_t)x[r * xs + k - 1]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+        }
+    }
+    const __m512 bias0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+    const __m512 bias1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], bias0));
+        const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], bias1));
+        _mm256_mask_storeu_epi16(y + r * ys, m0, lo);
+        _mm256_mask_storeu_epi16(y + r * ys + 16, m1, hi);
+    }
+}
+
+/* x [M, K] (row stride xs), packed W, bias fp32 [N] or NULL -> y [M, N] (stride ys). */
+void zs_linear(const bf16 *x, int64_t xs, const bf16 *packed, const float *bias, int64_t m,
+               int64_t n, int64_t k, bf16 *y, int64_t ys) {
+    const int64_t pairs = (k + 1) / 2, tiles = (n + ZS_TILE - 1) / ZS_TILE;
+#pragma omp parallel for schedule(dynamic, 1) if (m * n * k >= 16 * ZS_PARALLEL_MIN)
+    for (int64_t t = 0; t < tiles; t++) {
+        const bf16 *tile = packed + t * pairs * 2 * ZS_TILE;
+        const int64_t left = n - t * ZS_TILE;
+        const __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);
+        const __mmask16 m1 =
+            left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1u);
+        const float *b = bias ? bias + t * ZS_TILE : NULL;
+        for (int64_t r0 = 0; r0 < m; r0 += 8) {
+            const bf16 *xr = x + r0 * xs;
+            bf16 *yr = y + r0 * ys + t * ZS_TILE;
+            switch (m - r0 < 8 ? m - r0 : 8) {
+            case 8: linear_rows(xr, xs, tile, k, b, yr, ys, 8, m0, m1); break;
+            case 7: linear_rows(xr, xs, tile, k, b, yr, ys, 7, m0, m1); break;
+            case 6: linear_rows(xr, xs, tile, k, b, yr, ys, 6, m0, m1); break;
+            case 5: linear_rows(xr, xs, tile, k, b, yr, ys, 5, m0, m1); break;
+            case 4: linear_rows(xr, xs, tile, k, b, yr, ys, 4, m0, m1); break;
+            case 3: linear_rows(xr, xs, tile, k, b, yr, ys, 3, m0, m1); break;
+            case 2: linear_rows(xr, xs, tile, k, b, yr, ys, 2, m0, m1); break;
+            default: linear_rows(xr, xs, tile, k, b, yr, ys, 1, m0, m1); break;
+            }
+        }
+    }
+}
+#endif

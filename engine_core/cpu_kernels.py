@@ -44,6 +44,12 @@ _SIGNATURES = {
     ],
     "zs_softmax_draw": [_P, _I64, _P, _I64, _I64, _P],
 }  # fmt: skip
+# The linear layers are in the AVX-512 build only (elsewhere oneDNN's matmul is faster).
+_LINEAR_SIGNATURES = {
+    "zs_linear_packed_len": [_I64, _I64],
+    "zs_pack_linear": [_P, _I64, _I64, _P],
+    "zs_linear": [_P, _I64, _P, _P, _I64, _I64, _I64, _P, _I64],
+}
 
 
 class CpuKernels:
@@ -60,6 +66,16 @@ class CpuKernels:
         self._attention = lib.zs_paged_attention
         self._softmax_draw = lib.zs_softmax_draw
         self.avx512 = bool(lib.zs_has_avx512())
+        # Whether linear()/pack_linear() exist: the AVX512-BF16 matmul.
+        self.has_linear = self.avx512
+        if self.has_linear:
+            for name, argtypes in _LINEAR_SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, None
+            lib.zs_linear_packed_len.restype = _I64
+            self._packed_len = lib.zs_linear_packed_len
+            self._pack_linear = lib.zs_pack_linear
+            self._linear = lib.zs_linear
 
     @staticmethod
     def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
@@ -163,6 +179,29 @@ class CpuKernels:
         self._softmax_draw(
             logits.data_ptr(), logits.stride(0), u.data_ptr(), rows, vocab, out.data_ptr()
         )
+        return out
+
+    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """bf16 weight [N, K] → the packed layout linear() reads (about the same size)."""
+        n, k = weight.shape
+        weight = weight.contiguous()
+        out = torch.empty(self._packed_len(n, k), dtype=torch.bfloat16)
+        self._pack_linear(weight.data_ptr(), n, k, out.data_ptr())
+        return out
+
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
+        """x [M, K] (rows may be strided) @ the packed weight's [N, K]ᵀ (+ bias, fp32
+        [N]) → bf16 [M, N]."""
+        rows, k = x.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(rows, n, dtype=x.dtype)
+        self._linear(
+            x.data_ptr(), x.stride(0), packed.data_ptr(),
+            None if bias is None else bias.data_ptr(), rows, n, k, out.data_ptr(), n,
+        )  # fmt: skip
         return out
 
 

@@ -75,6 +75,44 @@ def test_rms_norm_reads_strided_rows(kernels):
     _assert_bf16_close(kernels.rms_norm(x, w, 1e-6), _torch_rms_norm(x.contiguous(), w, 1e-6))
 
 
+def _linear_kernels(kernels):
+    if not kernels.has_linear:
+        pytest.skip("the matmul is in the AVX512-BF16 build only (oneDNN's elsewhere)")
+    return kernels
+
+
+@pytest.mark.parametrize(
+    "m,n,k,bias",
+    [(1, 512, 512, False), (7, 40, 129, True), (8, 32, 64, False), (33, 2816, 512, True),
+     (130, 100, 1408, False)],
+)  # fmt: skip
+def test_linear_matches_an_fp64_reference(kernels, m, n, k, bias):
+    # Every odd shape: rows past a multiple of 8, columns past a 32-column tile, an
+    # odd K (its last pair half empty), a bias.
+    kernels = _linear_kernels(kernels)
+    g = torch.Generator().manual_seed(m * n + k)
+    x = torch.randn(m, k, generator=g).to(BF16)
+    w = torch.randn(n, k, generator=g).to(BF16)
+    b = torch.randn(n, generator=g).to(BF16) if bias else None
+    got = kernels.linear(x, kernels.pack_linear(w), None if b is None else b.float(), n)
+    assert got.shape == (m, n) and got.dtype == BF16
+    want = x.double() @ w.double().T + (0 if b is None else b.double())
+    # One bf16 rounding of the output, plus fp32 sums of k exact products.
+    bound = want.abs() * 2**-8 + k * 2**-23 * (x.double().abs() @ w.double().abs().T)
+    off = (got.double() - want).abs()
+    assert bool((off <= bound).all()), float((off - bound).max())
+
+
+def test_linear_reads_strided_rows_and_agrees_with_torch(kernels):
+    kernels = _linear_kernels(kernels)
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(20, 700, generator=g).to(BF16)
+    x = wide[:, 50:562]
+    w = torch.randn(96, 512, generator=g).to(BF16)
+    got = kernels.linear(x, kernels.pack_linear(w), None, 96)
+    _assert_bf16_close(got, F.linear(x.contiguous(), w), max_frac_off=0.05)
+
+
 @pytest.mark.parametrize("rows,inter", [(1, 128), (64, 1408), (200, 1408)])
 def test_silu_mul_matches_torchs_bf16_ops(kernels, rows, inter):
     g = torch.Generator().manual_seed(rows)
