@@ -188,23 +188,28 @@ static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 }
 
 static inline __m512 load_bf16_as_f32(const bf16 *p, __mmask16 m) {
-    const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+static inline __m512 bf16_as_f32(__m256i raw) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-/* silu(g) rounded, times u, rounded: torch's two bf16 ops. e^-x for x < 0 can
- * overflow exp512's range; silu is then -0 to within bf16, as torch gives. */
+/* silu(g) rounded, times u, rounded: torch's two bf16 ops, on 16 values each (g and
+ * u already bf16 values). e^-x for x < 0 can overflow exp512's range; silu is then
+ * -0 to within bf16, as torch gives. */
+static inline __m256i silu_mul16(__m512 g, __m512 u) {
+    const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(88.f)));
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    const __m512 sr = bf16_as_f32((__m256i)_mm512_cvtneps_pbh(silu));
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, u));
+}
+
 static void silu_mul_row(const bf16 *g, const bf16 *u, bf16 *o, int64_t inter) {
     int64_t i = 0;
-    for (; i + 16 <= inter; i += 16) {
-        const __m512 x = load_bf16_as_f32(g + i, 0xffff);
-        const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(88.f)));
-        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-        const __m256i sb = (__m256i)_mm512_cvtneps_pbh(silu);
-        const __m512 sr = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sb), 16));
-        const __m512 y = _mm512_mul_ps(sr, load_bf16_as_f32(u + i, 0xffff));
-        _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(y));
-    }
+    for (; i + 16 <= inter; i += 16)
+        _mm256_storeu_si256((__m256i *)(o + i),
+                            silu_mul16(load_bf16_as_f32(g + i, 0xffff), load_bf16_as_f32(u + i, 0xffff)));
     for (; i < inter; i++) {
         const float x = bf2f(g[i]);
         o[i] = f2bf(round_bf(x / (1.f + expf(-x))) * bf2f(u[i]));
@@ -548,28 +553,38 @@ void zs_softmax_draw(const float *logits, int64_t stride, const float *u, int64_
  */
 #define ZS_TILE 32
 
-int64_t zs_linear_packed_len(int64_t n, int64_t k) {
-    return (n + ZS_TILE - 1) / ZS_TILE * ((k + 1) / 2) * 2 * ZS_TILE;
+/* Output columns of one tile: 32, or 16 gated ones (16 gate and 16 up weight rows). */
+static inline int64_t tile_cols(int gated) { return gated ? ZS_TILE / 2 : ZS_TILE; }
+
+/* n: the output columns (gated: the weight has 2n rows, gate then up). */
+int64_t zs_linear_packed_len(int64_t n, int64_t k, int gated) {
+    const int64_t w = tile_cols(gated);
+    return (n + w - 1) / w * ((k + 1) / 2) * 2 * ZS_TILE;
 }
 
-void zs_pack_linear(const bf16 *w, int64_t n, int64_t k, bf16 *out) {
-    const int64_t pairs = (k + 1) / 2, tiles = (n + ZS_TILE - 1) / ZS_TILE;
+void zs_pack_linear(const bf16 *w, int64_t n, int64_t k, int gated, bf16 *out) {
+    const int64_t pairs = (k + 1) / 2, width = tile_cols(gated), tiles = (n + width - 1) / width;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++)
-        for (int64_t p = 0; p < pairs; p++)
-            for (int64_t c = 0; c < ZS_TILE; c++)
+        for (int64_t c = 0; c < ZS_TILE; c++) {
+            /* The weight row behind tile column c (gated: up rows in the second half). */
+            const int64_t col = t * width + (gated ? c % width : c);
+            const int64_t row = gated && c >= width ? n + col : col;
+            for (int64_t p = 0; p < pairs; p++)
                 for (int64_t e = 0; e < 2; e++) {
-                    const int64_t col = t * ZS_TILE + c, kk = 2 * p + e;
+                    const int64_t kk = 2 * p + e;
                     out[((t * pairs + p) * ZS_TILE + c) * 2 + e] =
-                        (col < n && kk < k) ? w[col * k + kk] : 0;
+                        (col < n && kk < k) ? w[row * k + kk] : 0;
                 }
+        }
 }
 
 /* Rows [0, R) of x against one packed tile into y's 32 columns (masks: the columns
- * that exist). An odd K's last pair takes x's last element alone. */
+ * that exist), or gated into 16: silu(gate) * up, each rounded where torch's bf16 ops
+ * round. An odd K's last pair takes x's last element alone. */
 static inline __attribute__((always_inline)) void linear_rows(
     const bf16 *x, int64_t xs, const bf16 *tile, int64_t k, const float *bias, bf16 *y,
-    int64_t ys, const int R, __mmask16 m0, __mmask16 m1) {
+    int64_t ys, const int R, __mmask16 m0, __mmask16 m1, int gated) {
     __m512 acc[8][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const int64_t full = k / 2;
@@ -593,6 +608,14 @@ static inline __attribute__((always_inline)) void linear_rows(
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
         }
     }
+    if (gated) {
+        for (int r = 0; r < R; r++) {
+            const __m512 g = bf16_as_f32((__m256i)_mm512_cvtneps_pbh(acc[r][0]));
+            const __m512 u = bf16_as_f32((__m256i)_mm512_cvtneps_pbh(acc[r][1]));
+            _mm256_mask_storeu_epi16(y + r * ys, m0, silu_mul16(g, u));
+        }
+        return;
+    }
     const __m512 bias0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
     const __m512 bias1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
     for (int r = 0; r < R; r++) {
@@ -603,30 +626,32 @@ static inline __attribute__((always_inline)) void linear_rows(
     }
 }
 
-/* x [M, K] (row stride xs), packed W, bias fp32 [N] or NULL -> y [M, N] (stride ys). */
+/* x [M, K] (row stride xs), packed W, bias fp32 [N] or NULL -> y [M, N] (stride ys);
+ * gated (no bias): y = silu(x Gᵀ) * (x Uᵀ). */
 void zs_linear(const bf16 *x, int64_t xs, const bf16 *packed, const float *bias, int64_t m,
-               int64_t n, int64_t k, bf16 *y, int64_t ys) {
-    const int64_t pairs = (k + 1) / 2, tiles = (n + ZS_TILE - 1) / ZS_TILE;
+               int64_t n, int64_t k, int gated, bf16 *y, int64_t ys) {
+    const int64_t pairs = (k + 1) / 2, width = tile_cols(gated), tiles = (n + width - 1) / width;
 #pragma omp parallel for schedule(dynamic, 1) if (m * n * k >= 16 * ZS_PARALLEL_MIN)
     for (int64_t t = 0; t < tiles; t++) {
         const bf16 *tile = packed + t * pairs * 2 * ZS_TILE;
-        const int64_t left = n - t * ZS_TILE;
+        const int64_t left = n - t * width;
         const __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);
-        const __mmask16 m1 =
-            left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1u);
+        const __mmask16 m1 = gated || left <= 16 ? 0
+                             : left >= 32      ? 0xffff
+                                               : (__mmask16)((1u << (left - 16)) - 1u);
         const float *b = bias ? bias + t * ZS_TILE : NULL;
         for (int64_t r0 = 0; r0 < m; r0 += 8) {
             const bf16 *xr = x + r0 * xs;
-            bf16 *yr = y + r0 * ys + t * ZS_TILE;
+            bf16 *yr = y + r0 * ys + t * width;
             switch (m - r0 < 8 ? m - r0 : 8) {
-            case 8: linear_rows(xr, xs, tile, k, b, yr, ys, 8, m0, m1); break;
-            case 7: linear_rows(xr, xs, tile, k, b, yr, ys, 7, m0, m1); break;
-            case 6: linear_rows(xr, xs, tile, k, b, yr, ys, 6, m0, m1); break;
-            case 5: linear_rows(xr, xs, tile, k, b, yr, ys, 5, m0, m1); break;
-            case 4: linear_rows(xr, xs, tile, k, b, yr, ys, 4, m0, m1); break;
-            case 3: linear_rows(xr, xs, tile, k, b, yr, ys, 3, m0, m1); break;
-            case 2: linear_rows(xr, xs, tile, k, b, yr, ys, 2, m0, m1); break;
-            default: linear_rows(xr, xs, tile, k, b, yr, ys, 1, m0, m1); break;
+            case 8: linear_rows(xr, xs, tile, k, b, yr, ys, 8, m0, m1, gated); break;
+            case 7: linear_rows(xr, xs, tile, k, b, yr, ys, 7, m0, m1, gated); break;
+            case 6: linear_rows(xr, xs, tile, k, b, yr, ys, 6, m0, m1, gated); break;
+            case 5: linear_rows(xr, xs, tile, k, b, yr, ys, 5, m0, m1, gated); break;
+            case 4: linear_rows(xr, xs, tile, k, b, yr, ys, 4, m0, m1, gated); break;
+            case 3: linear_rows(xr, xs, tile, k, b, yr, ys, 3, m0, m1, gated); break;
+            case 2: linear_rows(xr, xs, tile, k, b, yr, ys, 2, m0, m1, gated); break;
+            default: linear_rows(xr, xs, tile, k, b, yr, ys, 1, m0, m1, gated); break;
             }
         }
     }

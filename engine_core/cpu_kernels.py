@@ -33,7 +33,7 @@ ABI = 1  # zs_abi() of the source this module speaks to
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16  # query heads per KV head
 
-_P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "zs_rms_norm": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _F],
     "zs_silu_mul": [_P, _I64, _P, _I64, _I64, _I64],
@@ -46,9 +46,9 @@ _SIGNATURES = {
 }  # fmt: skip
 # The linear layers are in the AVX-512 build only (elsewhere oneDNN's matmul is faster).
 _LINEAR_SIGNATURES = {
-    "zs_linear_packed_len": [_I64, _I64],
-    "zs_pack_linear": [_P, _I64, _I64, _P],
-    "zs_linear": [_P, _I64, _P, _P, _I64, _I64, _I64, _P, _I64],
+    "zs_linear_packed_len": [_I64, _I64, _INT],
+    "zs_pack_linear": [_P, _I64, _I64, _INT, _P],
+    "zs_linear": [_P, _I64, _P, _P, _I64, _I64, _I64, _INT, _P, _I64],
 }
 
 
@@ -181,26 +181,34 @@ class CpuKernels:
         )
         return out
 
-    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
-        """bf16 weight [N, K] → the packed layout linear() reads (about the same size)."""
-        n, k = weight.shape
+    def pack_linear(self, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """bf16 weight [N, K] → the packed layout linear() reads (about the same size).
+        gated: the weight is gate and up stacked, [2 I, K], for linear(gated=True)."""
+        rows, k = weight.shape
+        n = rows // 2 if gated else rows
         weight = weight.contiguous()
-        out = torch.empty(self._packed_len(n, k), dtype=torch.bfloat16)
-        self._pack_linear(weight.data_ptr(), n, k, out.data_ptr())
+        out = torch.empty(self._packed_len(n, k, gated), dtype=torch.bfloat16)
+        self._pack_linear(weight.data_ptr(), n, k, gated, out.data_ptr())
         return out
 
     def linear(
-        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        n: int,
+        gated: bool = False,
     ) -> torch.Tensor:
         """x [M, K] (rows may be strided) @ the packed weight's [N, K]ᵀ (+ bias, fp32
-        [N]) → bf16 [M, N]."""
+        [N]) → bf16 [M, N]; gated (no bias): silu(x Gᵀ) · (x Uᵀ) → [M, I = n], rounded
+        as silu_mul() of the projection would be."""
         rows, k = x.shape
         if x.stride(1) != 1:
             x = x.contiguous()
         out = torch.empty(rows, n, dtype=x.dtype)
         self._linear(
             x.data_ptr(), x.stride(0), packed.data_ptr(),
-            None if bias is None else bias.data_ptr(), rows, n, k, out.data_ptr(), n,
+            None if bias is None else bias.data_ptr(), rows, n, k, gated, out.data_ptr(), n,
         )  # fmt: skip
         return out
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_core import cpu_kernels
-from engine_core.native_llama import NativeLlamaBackend
+from engine_core.native_llama import NativeLlamaBackend, _Linear
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,6 +111,34 @@ def test_linear_reads_strided_rows_and_agrees_with_torch(kernels):
     w = torch.randn(96, 512, generator=g).to(BF16)
     got = kernels.linear(x, kernels.pack_linear(w), None, 96)
     _assert_bf16_close(got, F.linear(x.contiguous(), w), max_frac_off=0.05)
+
+
+@pytest.mark.parametrize("m,inter,k", [(1, 1408, 512), (9, 40, 65), (33, 16, 64)])
+def test_gated_linear_is_silu_mul_of_the_projection(kernels, m, inter, k):
+    # The gate/up matmul with SiLU·mul fused: the same bf16 values as the projection
+    # followed by torch's silu and product, but for the order of the matmul's sums.
+    kernels = _linear_kernels(kernels)
+    g = torch.Generator().manual_seed(m + inter)
+    x = torch.randn(m, k, generator=g).to(BF16)
+    w = torch.randn(2 * inter, k, generator=g).to(BF16)
+    got = kernels.linear(x, kernels.pack_linear(w, gated=True), None, inter, gated=True)
+    assert got.shape == (m, inter)
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    _assert_bf16_close(got, F.silu(gate) * up, max_frac_off=0.1)
+
+
+def test_the_gate_up_layer_gives_silu_mul_on_every_path():
+    # The backend's gate/up layer: the fused matmul (AVX512-BF16), oneDNN then the
+    # portable kernels' silu_mul, oneDNN then torch's ops.
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 256, generator=g).to(BF16)
+    w = torch.randn(2 * 96, 256, generator=g).to(BF16)
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    for kernels in (cpu_kernels.load(), cpu_kernels.load(portable=True), None):
+        layer = _Linear(w, kernels=kernels, silu_mul=True)
+        assert layer.fused == (kernels is not None and kernels.has_linear)
+        _assert_bf16_close(layer(x), want, max_frac_off=0.1)
 
 
 @pytest.mark.parametrize("rows,inter", [(1, 128), (64, 1408), (200, 1408)])
