@@ -67,8 +67,15 @@ def _add(engine: EngineCore, prompt: list[int], max_tokens: int) -> str:
     return request_id
 
 
+def _threads_for(engine: EngineCore) -> None:
+    # Each side measures with torch's thread count its runner keeps (1 where the CPU
+    # kernels run the forward on their own pool); the engines share one process.
+    torch.set_num_threads(engine.runner.torch_threads)
+
+
 def engine_decode_ms(engine: EngineCore, prompts: list[list[int]], steps: int) -> list[float]:
     """ms of each step in which every request decodes one token."""
+    _threads_for(engine)
     ids = [_add(engine, p, steps + 2) for p in prompts]
     started: set[str] = set()
     while len(started) < len(ids):  # prefill (chunked by the token budget)
@@ -84,10 +91,13 @@ def engine_decode_ms(engine: EngineCore, prompts: list[list[int]], steps: int) -
 
 
 @torch.inference_mode()
-def limit_decode_ms(model: torch.nn.Module, prompts: list[list[int]], steps: int) -> list[float]:
+def limit_decode_ms(
+    model: torch.nn.Module, prompts: list[list[int]], steps: int, threads: int
+) -> list[float]:
     """The bare loop: HF forward over its own DynamicCache, greedy argmax, nothing else."""
     from transformers import DynamicCache
 
+    torch.set_num_threads(threads)
     cache = DynamicCache(config=model.config)
     out = model(input_ids=torch.tensor(prompts), cache=cache, use_cache=True)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -101,6 +111,7 @@ def limit_decode_ms(model: torch.nn.Module, prompts: list[list[int]], steps: int
 
 
 def engine_prefill_tok_s(engine: EngineCore, prompts: list[list[int]]) -> float:
+    _threads_for(engine)
     engine.reset_prefix_cache()  # measure computation, not cache hits of the last repeat
     t = time.perf_counter()
     for p in prompts:
@@ -111,7 +122,8 @@ def engine_prefill_tok_s(engine: EngineCore, prompts: list[list[int]]) -> float:
 
 
 @torch.inference_mode()
-def limit_prefill_tok_s(model: torch.nn.Module, prompts: list[list[int]]) -> float:
+def limit_prefill_tok_s(model: torch.nn.Module, prompts: list[list[int]], threads: int) -> float:
+    torch.set_num_threads(threads)
     t = time.perf_counter()
     for p in prompts:
         model(input_ids=torch.tensor([p]), use_cache=False, logits_to_keep=1)
@@ -120,6 +132,7 @@ def limit_prefill_tok_s(model: torch.nn.Module, prompts: list[list[int]]) -> flo
 
 def prefix_workload_s(engine: EngineCore, prompts: list[list[int]]) -> float:
     """Requests sharing a prefix, one after another (a shared system prompt)."""
+    _threads_for(engine)
     t = time.perf_counter()
     for p in prompts:
         _add(engine, p, 1)
@@ -138,7 +151,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(args.seed)
     impls = [i.strip() for i in args.model_impls.split(",") if i.strip()]
     engines = {impl: _engine(args, model_impl=impl) for impl in impls}
-    engine = engines[impls[0]]  # sets torch's thread count for every side
+    engine = engines[impls[0]]
+    threads = engine.runner.num_threads
     dtype = getattr(torch, engine.dtype)
     model = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=dtype, attn_implementation=args.limit_attn
@@ -147,21 +161,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "model": args.model,
         "dtype": engine.dtype,
-        "threads": torch.get_num_threads(),
+        "threads": threads,
         "limit_attn": args.limit_attn,
         "model_impls": impls,
         "decode": [],
     }
     for batch in _batch_sizes(args):
         prompts = _prompts(batch, args.context, vocab, gen)
-        limit_decode_ms(model, prompts, 2)  # warm every path at this shape
+        limit_decode_ms(model, prompts, 2, threads)  # warm every path at this shape
         for e in engines.values():
             engine_decode_ms(e, prompts, 2)
         lim, best_lim = [], []
         eng: dict[str, list[float]] = {impl: [] for impl in impls}
         best_eng: dict[str, list[float]] = {impl: [] for impl in impls}
         for _ in range(args.repeats):  # interleaved: every side sees the same neighbours
-            steps = limit_decode_ms(model, prompts, args.decode_steps)
+            steps = limit_decode_ms(model, prompts, args.decode_steps, threads)
             lim.append(statistics.median(steps))
             best_lim += steps
             for impl, e in engines.items():
@@ -185,7 +199,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     prompts = _prompts(args.prefill_prompts, args.prefill_len, vocab, gen)
     pre_engine = [engine_prefill_tok_s(engine, prompts) for _ in range(args.repeats)]
-    pre_limit = [limit_prefill_tok_s(model, prompts) for _ in range(args.repeats)]
+    pre_limit = [limit_prefill_tok_s(model, prompts, threads) for _ in range(args.repeats)]
     result["prefill"] = {
         "prompt_len": args.prefill_len,
         "engine_tok_s": _summary(pre_engine),

@@ -1,23 +1,33 @@
 /*
  * zserve's CPU kernels: the fused elementwise steps and the paged attention of the
  * native bf16 forward. engine_core/cpu_kernels.py compiles this file for the machine
- * it runs on (gcc -O3 -march=native -fopenmp) and calls it through ctypes.
+ * it runs on (gcc -O3 -march=native) and calls it through ctypes.
  *
  * Tensors are bf16 (as uint16 bit patterns) with fp32 arithmetic. Each kernel rounds
  * to bf16 wherever torch's op-by-op bf16 path rounds, so it reproduces those ops up
  * to the order of a sum; attention is the exception: its scores and probabilities
  * stay fp32 (torch rounds both to bf16), which is closer to the exact result.
  *
- * OpenMP resolves to the libgomp torch has already loaded into the engine process,
- * so torch.set_num_threads governs these loops as well.
+ * The kernels split their work over a pool of their own threads (zs_set_threads),
+ * not OpenMP: a parallel loop here never waits for a thread that has not started
+ * on it (see zs_parallel), so a worker the OS descheduled costs its share of speed,
+ * not a stall, and idle workers sleep after a short spin instead of burning the
+ * core that the API server and the load generator share with the engine.
  *
  * Two builds of every kernel: AVX-512 (with AVX512-BF16 dot products), and portable
  * C for any other CPU. ZS_PORTABLE forces the portable one (the tests compare both).
  */
+#define _GNU_SOURCE
+#include <linux/futex.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
     defined(__AVX512VL__) && defined(__AVX512DQ__) && !defined(ZS_PORTABLE)
@@ -36,7 +46,7 @@ typedef uint16_t bf16;
 /* Below this many elements a loop runs on one thread: waking the others costs more. */
 #define ZS_PARALLEL_MIN 16384
 
-int zs_abi(void) { return 1; }
+int zs_abi(void) { return 2; }
 int zs_has_avx512(void) { return ZS_AVX512; }
 
 static inline float bf2f(bf16 x) {
@@ -58,16 +68,203 @@ static inline bf16 f2bf(float f) {
 static inline float round_bf(float f) { return bf2f(f2bf(f)); }
 
 /* ---------------------------------------------------------------------------------
+ * The thread pool. zs_parallel(n, grain, ...) runs task(ctx, begin, end) over [0, n)
+ * in chunks of `grain`, on the calling thread and the pool's workers. Chunks are
+ * claimed one at a time from a counter tagged with the job's epoch, so a worker
+ * that wakes late finds nothing left (or a newer job) and claims nothing; the
+ * caller then waits only for chunks that were claimed and are still running. The
+ * caller spins briefly for those and then sleeps, which frees its core for a
+ * descheduled worker to finish on. Workers spin ZS_SPIN_NS for the next job, then
+ * sleep on a futex. One job runs at a time (the mutex); jobs do not nest.
+ */
+typedef void (*zs_task)(const void *ctx, int64_t begin, int64_t end);
+
+#define ZS_MAX_THREADS 256
+#define ZS_SPIN_NS 50000
+
+static struct {
+    pthread_mutex_t lock;   /* one job at a time; held by the caller throughout */
+    _Atomic uint64_t claim; /* epoch << 32 | next chunk */
+    _Atomic int64_t done;   /* chunks finished in the current epoch */
+    _Atomic uint32_t wake;  /* futex: bumped when a job starts and sleepers wait */
+    _Atomic uint32_t finished; /* futex: bumped when a sleeping caller must look */
+    _Atomic int sleepers, caller_sleeps;
+    _Atomic(zs_task) fn;
+    const void *_Atomic ctx;
+    _Atomic int64_t n, grain, chunks;
+    uint32_t epoch;
+    int workers; /* started so far */
+    _Atomic int active; /* threads a job may use, the caller included */
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .active = 1};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void futex_wait(_Atomic uint32_t *word, uint32_t seen) {
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+}
+
+static void futex_wake(_Atomic uint32_t *word) {
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, 1 << 30, NULL, NULL, 0);
+}
+
+/* Claim and run chunks of job `epoch` until none is left. */
+static void run_chunks(uint32_t epoch) {
+    for (;;) {
+        uint64_t c = atomic_load(&pool.claim);
+        if ((uint32_t)(c >> 32) != epoch || (int64_t)(uint32_t)c >= atomic_load(&pool.chunks))
+            return;
+        if (!atomic_compare_exchange_weak(&pool.claim, &c, c + 1)) continue;
+        /* A claimed chunk keeps its job current until it is counted done, so the
+         * job's fields below are still this epoch's. */
+        const int64_t i = (int64_t)(uint32_t)c, g = atomic_load(&pool.grain), n = atomic_load(&pool.n);
+        atomic_load(&pool.fn)(atomic_load(&pool.ctx), i * g, (i + 1) * g < n ? (i + 1) * g : n);
+        if (atomic_fetch_add(&pool.done, 1) + 1 == atomic_load(&pool.chunks) &&
+            atomic_load(&pool.caller_sleeps)) {
+            atomic_fetch_add(&pool.finished, 1);
+            futex_wake(&pool.finished);
+        }
+    }
+}
+
+static void *worker_main(void *arg) {
+    const int index = (int)(intptr_t)arg; /* 1.. (0 is the caller) */
+    uint32_t seen = (uint32_t)(atomic_load(&pool.claim) >> 32);
+    for (;;) {
+        int64_t spin_until = now_ns() + ZS_SPIN_NS;
+        for (int i = 0;; i++) {
+            const uint32_t e = (uint32_t)(atomic_load(&pool.claim) >> 32);
+            if (e != seen && index < atomic_load(&pool.active)) {
+                seen = e;
+                run_chunks(e);
+                spin_until = now_ns() + ZS_SPIN_NS;
+                continue;
+            }
+            seen = e;
+            if (i % 64 || now_ns() < spin_until) {
+                cpu_relax();
+                continue;
+            }
+            const uint32_t w = atomic_load(&pool.wake);
+            atomic_fetch_add(&pool.sleepers, 1);
+            if ((uint32_t)(atomic_load(&pool.claim) >> 32) == seen) futex_wait(&pool.wake, w);
+            atomic_fetch_sub(&pool.sleepers, 1);
+            spin_until = now_ns() + ZS_SPIN_NS;
+        }
+    }
+    return NULL;
+}
+
+/* Threads the kernels use, the caller included (1: no workers). Workers start on
+ * first need and stay; a smaller count leaves the extra ones asleep. */
+int zs_set_threads(int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > ZS_MAX_THREADS) threads = ZS_MAX_THREADS;
+    pthread_mutex_lock(&pool.lock);
+    int ok = 1;
+    while (pool.workers < threads - 1) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int rc = pthread_create(&t, &attr, worker_main, (void *)(intptr_t)(pool.workers + 1));
+        pthread_attr_destroy(&attr);
+        if (rc != 0) {
+            ok = 0;
+            break;
+        }
+        pool.workers++;
+    }
+    atomic_store(&pool.active, pool.workers + 1 < threads ? pool.workers + 1 : threads);
+    pthread_mutex_unlock(&pool.lock);
+    return ok ? threads : pool.workers + 1;
+}
+
+static void zs_parallel(int64_t n, int64_t grain, int parallel, zs_task fn, const void *ctx) {
+    if (n <= 0) return;
+    if (grain < 1) grain = 1;
+    if (!parallel || atomic_load(&pool.active) < 2 || n <= grain) {
+        fn(ctx, 0, n);
+        return;
+    }
+    pthread_mutex_lock(&pool.lock);
+    const int64_t chunks = (n + grain - 1) / grain;
+    atomic_store(&pool.fn, fn);
+    atomic_store(&pool.ctx, ctx);
+    atomic_store(&pool.n, n);
+    atomic_store(&pool.grain, grain);
+    atomic_store(&pool.chunks, chunks);
+    atomic_store(&pool.done, 0);
+    const uint32_t epoch = ++pool.epoch;
+    atomic_store(&pool.claim, (uint64_t)epoch << 32);
+    if (atomic_load(&pool.sleepers)) {
+        atomic_fetch_add(&pool.wake, 1);
+        futex_wake(&pool.wake);
+    }
+    run_chunks(epoch);
+    /* Only chunks other threads claimed can still be running. */
+    const int64_t spin_until = now_ns() + ZS_SPIN_NS / 5;
+    for (int i = 0; atomic_load(&pool.done) < chunks; i++) {
+        if (i % 64 || now_ns() < spin_until) {
+            cpu_relax();
+            continue;
+        }
+        const uint32_t f = atomic_load(&pool.finished);
+        atomic_store(&pool.caller_sleeps, 1);
+        if (atomic_load(&pool.done) < chunks) futex_wait(&pool.finished, f);
+        atomic_store(&pool.caller_sleeps, 0);
+    }
+    pthread_mutex_unlock(&pool.lock);
+}
+
+/* A per-thread scratch buffer of at least `bytes`, kept for the thread's next use. */
+static void *scratch(size_t bytes) {
+    static _Thread_local void *buf;
+    static _Thread_local size_t size;
+    if (bytes > size) {
+        free(buf);
+        buf = malloc(bytes);
+        size = buf ? bytes : 0;
+    }
+    return buf;
+}
+
+/* ---------------------------------------------------------------------------------
  * RMSNorm, optionally after a residual add (transformers' order: normalise in fp32,
  * round, then scale by the weight and round again).
  *   residual == NULL: out = norm(x)
  *   otherwise:        residual = residual + x (rounded); out = norm(residual)
  */
-void zs_rms_norm(const bf16 *x, int64_t x_stride, bf16 *residual, int64_t res_stride,
-                 const bf16 *weight, bf16 *out, int64_t out_stride, int64_t rows,
-                 int64_t hidden, float eps) {
-#pragma omp parallel for schedule(static) if (rows * hidden >= ZS_PARALLEL_MIN)
-    for (int64_t r = 0; r < rows; r++) {
+struct rms_job {
+    const bf16 *x;
+    int64_t x_stride;
+    bf16 *residual;
+    int64_t res_stride;
+    const bf16 *weight;
+    bf16 *out;
+    int64_t out_stride, hidden;
+    float eps;
+};
+
+static void rms_rows(const void *job, int64_t begin, int64_t end) {
+    const struct rms_job *j = job;
+    const bf16 *x = j->x, *weight = j->weight;
+    bf16 *residual = j->residual, *out = j->out;
+    const int64_t x_stride = j->x_stride, res_stride = j->res_stride, out_stride = j->out_stride;
+    const int64_t hidden = j->hidden;
+    const float eps = j->eps;
+    for (int64_t r = begin; r < end; r++) {
         const bf16 *xr = x + r * x_stride;
         bf16 *o = out + r * out_stride;
         float h[8192];
@@ -95,6 +292,13 @@ void zs_rms_norm(const bf16 *x, int64_t x_stride, bf16 *residual, int64_t res_st
             o[i] = f2bf(bf2f(weight[i]) * round_bf(buf[i] * inv));
         if (buf != h) free(buf);
     }
+}
+
+void zs_rms_norm(const bf16 *x, int64_t x_stride, bf16 *residual, int64_t res_stride,
+                 const bf16 *weight, bf16 *out, int64_t out_stride, int64_t rows,
+                 int64_t hidden, float eps) {
+    const struct rms_job j = {x, x_stride, residual, res_stride, weight, out, out_stride, hidden, eps};
+    zs_parallel(rows, 2, rows * hidden >= ZS_PARALLEL_MIN, rms_rows, &j);
 }
 
 /* ---------------------------------------------------------------------------------
@@ -125,12 +329,28 @@ static void norm_rope_head(const bf16 *x, bf16 *dst, const bf16 *norm_w, float e
  * head h is row (block * hkv + h) * block_size + offset of a [blocks, hkv, bs, d]
  * cache.
  */
-void zs_rope_store(bf16 *qkv, int64_t row_stride, const int64_t *positions, const bf16 *cos,
-                   const bf16 *sin, int64_t rows, int64_t hq, int64_t hkv, int64_t d,
-                   const bf16 *q_norm, const bf16 *k_norm, float eps, bf16 *k_cache,
-                   bf16 *v_cache, const int64_t *slots, int64_t block_size) {
-#pragma omp parallel for schedule(static) if (rows * (hq + hkv) * d >= ZS_PARALLEL_MIN)
-    for (int64_t n = 0; n < rows; n++) {
+struct rope_job {
+    bf16 *qkv;
+    int64_t row_stride;
+    const int64_t *positions;
+    const bf16 *cos, *sin;
+    int64_t hq, hkv, d;
+    const bf16 *q_norm, *k_norm;
+    float eps;
+    bf16 *k_cache, *v_cache;
+    const int64_t *slots;
+    int64_t block_size;
+};
+
+static void rope_rows(const void *job, int64_t begin, int64_t end) {
+    const struct rope_job *j = job;
+    bf16 *qkv = j->qkv, *k_cache = j->k_cache, *v_cache = j->v_cache;
+    const int64_t *positions = j->positions, *slots = j->slots;
+    const bf16 *cos = j->cos, *sin = j->sin, *q_norm = j->q_norm, *k_norm = j->k_norm;
+    const int64_t row_stride = j->row_stride, hq = j->hq, hkv = j->hkv, d = j->d;
+    const int64_t block_size = j->block_size;
+    const float eps = j->eps;
+    for (int64_t n = begin; n < end; n++) {
         bf16 *row = qkv + n * row_stride;
         const bf16 *c = cos + positions[n] * d;
         const bf16 *s = sin + positions[n] * d;
@@ -142,6 +362,15 @@ void zs_rope_store(bf16 *qkv, int64_t row_stride, const int64_t *positions, cons
             memcpy(v_cache + dst, row + (hq + hkv + h) * d, sizeof(bf16) * d);
         }
     }
+}
+
+void zs_rope_store(bf16 *qkv, int64_t row_stride, const int64_t *positions, const bf16 *cos,
+                   const bf16 *sin, int64_t rows, int64_t hq, int64_t hkv, int64_t d,
+                   const bf16 *q_norm, const bf16 *k_norm, float eps, bf16 *k_cache,
+                   bf16 *v_cache, const int64_t *slots, int64_t block_size) {
+    const struct rope_job j = {qkv, row_stride, positions, cos, sin, hq, hkv, d, q_norm,
+                               k_norm, eps, k_cache, v_cache, slots, block_size};
+    zs_parallel(rows, 2, rows * (hq + hkv) * d >= ZS_PARALLEL_MIN, rope_rows, &j);
 }
 
 /* Row `pos` of KV head h of a sequence in a [blocks, hkv, bs, d] cache, through its table. */
@@ -454,11 +683,54 @@ static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
 /* ---------------------------------------------------------------------------------
  * out = silu(gate) * up, gate and up being the two halves of each row of gate_up.
  */
+struct silu_job {
+    const bf16 *gate_up;
+    int64_t in_stride;
+    bf16 *out;
+    int64_t out_stride, inter;
+};
+
+static void silu_rows(const void *job, int64_t begin, int64_t end) {
+    const struct silu_job *j = job;
+    for (int64_t r = begin; r < end; r++) {
+        const bf16 *g = j->gate_up + r * j->in_stride;
+        silu_mul_row(g, g + j->inter, j->out + r * j->out_stride, j->inter);
+    }
+}
+
 void zs_silu_mul(const bf16 *gate_up, int64_t in_stride, bf16 *out, int64_t out_stride,
                  int64_t rows, int64_t inter) {
-#pragma omp parallel for schedule(static) if (rows * inter >= ZS_PARALLEL_MIN)
-    for (int64_t r = 0; r < rows; r++)
-        silu_mul_row(gate_up + r * in_stride, gate_up + r * in_stride + inter, out + r * out_stride, inter);
+    const struct silu_job j = {gate_up, in_stride, out, out_stride, inter};
+    zs_parallel(rows, 2, rows * inter >= ZS_PARALLEL_MIN, silu_rows, &j);
+}
+
+struct attention_job {
+    const bf16 *q;
+    int64_t q_stride;
+    const bf16 *k_cache, *v_cache;
+    const int32_t *tables;
+    int64_t table_stride;
+    const int32_t *row_table, *row_len;
+    int64_t hq, hkv, d, block_size, window;
+    float scale, softcap;
+    bf16 *out;
+    int64_t out_stride, s_stride;
+};
+
+/* Items are (row, KV head) pairs. */
+static void attention_items(const void *job, int64_t begin, int64_t end) {
+    const struct attention_job *j = job;
+    const int64_t hkv = j->hkv, groups = j->hq / hkv, d = j->d;
+    float *s = scratch(sizeof(float) * ZS_PAD_GROUPS(groups) * j->s_stride);
+    for (int64_t item = begin; item < end; item++) {
+        const int64_t n = item / hkv, h = item % hkv;
+        const int64_t len = j->row_len[n];
+        const int64_t start = (j->window > 0 && len > j->window) ? len - j->window : 0;
+        attend_row(j->q + n * j->q_stride + h * groups * d, j->k_cache, j->v_cache,
+                   j->tables + (int64_t)j->row_table[n] * j->table_stride, start, len, h, hkv,
+                   groups, d, j->block_size, j->scale, j->softcap,
+                   j->out + n * j->out_stride + h * groups * d, s, j->s_stride);
+    }
 }
 
 void zs_paged_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache,
@@ -467,25 +739,11 @@ void zs_paged_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache,
                         int64_t hq, int64_t hkv, int64_t d, int64_t block_size, int64_t window,
                         float scale, float softcap, bf16 *out, int64_t out_stride,
                         int64_t max_len) {
-    const int64_t groups = hq / hkv;
     /* Score rows padded to 16 floats (the vector width) per query head. */
-    const int64_t s_stride = (max_len + 15) / 16 * 16;
-    const int64_t g4 = ZS_PAD_GROUPS(groups);
-#pragma omp parallel if (rows * hkv > 1)
-    {
-        float *s = (float *)malloc(sizeof(float) * g4 * s_stride);
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t item = 0; item < rows * hkv; item++) {
-            const int64_t n = item / hkv, h = item % hkv;
-            const int64_t len = row_len[n];
-            const int64_t start = (window > 0 && len > window) ? len - window : 0;
-            attend_row(q + n * q_stride + h * groups * d, k_cache, v_cache,
-                       tables + (int64_t)row_table[n] * table_stride, start, len, h, hkv, groups,
-                       d, block_size, scale, softcap, out + n * out_stride + h * groups * d, s,
-                       s_stride);
-        }
-        free(s);
-    }
+    const struct attention_job j = {q, q_stride, k_cache, v_cache, tables, table_stride,
+                                    row_table, row_len, hq, hkv, d, block_size, window,
+                                    scale, softcap, out, out_stride, (max_len + 15) / 16 * 16};
+    zs_parallel(rows * hkv, 4, 1, attention_items, &j);
 }
 
 /* ---------------------------------------------------------------------------------
@@ -495,15 +753,24 @@ void zs_paged_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache,
  * u times the row's total, found through sums of 16-token blocks. The target stays
  * strictly below the total, and a token without mass is never the answer.
  */
-void zs_softmax_draw(const float *logits, int64_t stride, const float *u, int64_t rows,
-                     int64_t vocab, int64_t *out) {
+struct draw_job {
+    const float *logits;
+    int64_t stride;
+    const float *u;
+    int64_t vocab;
+    int64_t *out;
+};
+
+static void draw_rows(const void *job, int64_t begin, int64_t end) {
+    const struct draw_job *jb = job;
+    const float *logits = jb->logits, *u = jb->u;
+    const int64_t stride = jb->stride, vocab = jb->vocab;
+    int64_t *out = jb->out;
     const int64_t blocks = (vocab + 15) / 16;
-#pragma omp parallel if (rows * vocab >= 4 * ZS_PARALLEL_MIN)
     {
-        float *e = (float *)malloc(sizeof(float) * (blocks * 16 + blocks));
+        float *e = scratch(sizeof(float) * (blocks * 16 + blocks));
         float *block_sums = e + blocks * 16;
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
+        for (int64_t r = begin; r < end; r++) {
             const float *x = logits + r * stride;
             const float m = row_max(x, vocab);
             softmax_numerators(x, m, e, block_sums, vocab);
@@ -534,8 +801,13 @@ void zs_softmax_draw(const float *logits, int64_t stride, const float *u, int64_
                     }
             out[r] = pick;
         }
-        free(e);
     }
+}
+
+void zs_softmax_draw(const float *logits, int64_t stride, const float *u, int64_t rows,
+                     int64_t vocab, int64_t *out) {
+    const struct draw_job j = {logits, stride, u, vocab, out};
+    zs_parallel(rows, 1, rows * vocab >= 4 * ZS_PARALLEL_MIN, draw_rows, &j);
 }
 
 #if ZS_AVX512
@@ -564,7 +836,6 @@ int64_t zs_linear_packed_len(int64_t n, int64_t k, int gated) {
 
 void zs_pack_linear(const bf16 *w, int64_t n, int64_t k, int gated, bf16 *out) {
     const int64_t pairs = (k + 1) / 2, width = tile_cols(gated), tiles = (n + width - 1) / width;
-#pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++)
         for (int64_t c = 0; c < ZS_TILE; c++) {
             /* The weight row behind tile column c (gated: up rows in the second half). */
@@ -626,13 +897,27 @@ static inline __attribute__((always_inline)) void linear_rows(
     }
 }
 
-/* x [M, K] (row stride xs), packed W, bias fp32 [N] or NULL -> y [M, N] (stride ys);
- * gated (no bias): y = silu(x Gᵀ) * (x Uᵀ). */
-void zs_linear(const bf16 *x, int64_t xs, const bf16 *packed, const float *bias, int64_t m,
-               int64_t n, int64_t k, int gated, bf16 *y, int64_t ys) {
-    const int64_t pairs = (k + 1) / 2, width = tile_cols(gated), tiles = (n + width - 1) / width;
-#pragma omp parallel for schedule(dynamic, 1) if (m * n * k >= 16 * ZS_PARALLEL_MIN)
-    for (int64_t t = 0; t < tiles; t++) {
+struct linear_job {
+    const bf16 *x;
+    int64_t xs;
+    const bf16 *packed;
+    const float *bias;
+    int64_t m, n, k;
+    int gated;
+    bf16 *y;
+    int64_t ys;
+};
+
+/* Items are tiles. */
+static void linear_tiles(const void *job, int64_t begin, int64_t end) {
+    const struct linear_job *j = job;
+    const bf16 *x = j->x, *packed = j->packed;
+    const float *bias = j->bias;
+    const int64_t xs = j->xs, m = j->m, n = j->n, k = j->k, ys = j->ys;
+    const int gated = j->gated;
+    bf16 *y = j->y;
+    const int64_t pairs = (k + 1) / 2, width = tile_cols(gated);
+    for (int64_t t = begin; t < end; t++) {
         const bf16 *tile = packed + t * pairs * 2 * ZS_TILE;
         const int64_t left = n - t * width;
         const __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);
@@ -655,5 +940,14 @@ void zs_linear(const bf16 *x, int64_t xs, const bf16 *packed, const float *bias,
             }
         }
     }
+}
+
+/* x [M, K] (row stride xs), packed W, bias fp32 [N] or NULL -> y [M, N] (stride ys);
+ * gated (no bias): y = silu(x Gᵀ) * (x Uᵀ). */
+void zs_linear(const bf16 *x, int64_t xs, const bf16 *packed, const float *bias, int64_t m,
+               int64_t n, int64_t k, int gated, bf16 *y, int64_t ys) {
+    const int64_t tiles = (n + tile_cols(gated) - 1) / tile_cols(gated);
+    const struct linear_job j = {x, xs, packed, bias, m, n, k, gated, y, ys};
+    zs_parallel(tiles, 1, m * n * k >= 16 * ZS_PARALLEL_MIN, linear_tiles, &j);
 }
 #endif

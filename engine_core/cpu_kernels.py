@@ -10,6 +10,9 @@ C compiler works, `load()` answers None with the reason logged, and the forward 
 torch's ops.
 
 ctypes releases the GIL for each call, so the engine's output thread runs meanwhile.
+The kernels run on a thread pool of their own (set_threads), which never waits for a
+worker that has not started on a loop and lets idle workers sleep; see
+cpu_kernels.c.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI = 1  # zs_abi() of the source this module speaks to
+ABI = 2  # zs_abi() of the source this module speaks to
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16  # query heads per KV head
 
@@ -66,6 +69,9 @@ class CpuKernels:
         self._attention = lib.zs_paged_attention
         self._softmax_draw = lib.zs_softmax_draw
         self.avx512 = bool(lib.zs_has_avx512())
+        lib.zs_set_threads.argtypes, lib.zs_set_threads.restype = [_INT], _INT
+        self._set_threads = lib.zs_set_threads
+        self.threads = self.set_threads(torch.get_num_threads())
         # Whether linear()/pack_linear() exist: the AVX512-BF16 matmul.
         self.has_linear = self.avx512
         if self.has_linear:
@@ -76,6 +82,12 @@ class CpuKernels:
             self._packed_len = lib.zs_linear_packed_len
             self._pack_linear = lib.zs_pack_linear
             self._linear = lib.zs_linear
+
+    def set_threads(self, threads: int) -> int:
+        """Threads the kernels split their loops over, the caller included (the pool
+        is per process); answers the count in effect."""
+        self.threads = self._set_threads(threads)
+        return self.threads
 
     @staticmethod
     def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
@@ -238,7 +250,7 @@ def build(portable: bool = False) -> Path:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not compiler:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+    flags = ["-O3", "-march=native", "-fopenmp-simd", "-pthread", "-shared", "-fPIC", "-std=c11"]
     if portable:
         flags.append("-DZS_PORTABLE")
     version = subprocess.run(

@@ -116,6 +116,17 @@ class ModelRunner:
         self.backend = _make_backend(config, self.info, self.dtype, self.device, self.max_model_len)
         self.model_impl = type(self.backend).__name__
         self.kernels = self.backend.kernels  # the CPU kernels, if in use
+        # Threads torch keeps while this runner steps (a process running several
+        # runners, like the engine benchmark, sets it before each one's steps).
+        self.torch_threads = self.num_threads
+        if self.kernels is not None:
+            self.kernels.set_threads(self.num_threads)
+            if self.kernels.has_linear:
+                # The kernels then run the whole forward on their own pool; torch's
+                # few remaining ops are small, and a second pool's workers would
+                # spin for milliseconds after each one, on the cores the kernels use.
+                self.torch_threads = 1
+        torch.set_num_threads(self.torch_threads)
         self.spec = KVCacheSpec(
             self.info.num_layers,
             self.info.num_kv_heads,

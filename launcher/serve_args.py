@@ -157,8 +157,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--cpu-threads",
         type=_positive,
         default=None,
-        help="torch threads per engine (default: the usable cores minus one for each local "
-        "API server after the first, shared by the local engines; at least 1)",
+        help="CPU threads per engine, for its CPU kernels' pool or torch's ops (default: the "
+        "usable cores minus one for each local API server after the first, shared by the "
+        "local engines; at least 1)",
     )
     g.add_argument(
         "--engine-cpus",

@@ -64,15 +64,17 @@ class Child:
 
 
 def engine_threads(args: argparse.Namespace, local_engines: int) -> int:
-    """Torch threads per engine: the usable cores less one for each local API server
-    after the first, shared by the local engines, at least one.
+    """CPU threads per engine (its CPU kernels' pool, or torch's where those do not run
+    the forward): the usable cores less one for each local API server after the first,
+    shared by the local engines, at least one.
 
     The first API server shares the cores with the engine: it needs a fraction of a
-    core. On 2 cores, 1 API server and `vllm bench serve` beside them, two engine
-    threads served a median 5,135 tok/s against one thread's 4,056 at concurrency 128
-    and 3,434 against 3,547 at 32, with a lower ITL p99 at both (3 alternating rounds;
-    BENCHMARKS.md). A shorter OpenMP spin (GOMP_SPINCOUNT=1000) did worse than the
-    default at both.
+    core, and the kernels' pool gives way to it (idle threads sleep after 50 us; no
+    loop waits for a thread that has not started on it). On 2 cores, 1 API server and
+    `vllm bench serve` beside them, two engine threads served a median 5,135 tok/s
+    against one thread's 4,056 at concurrency 128 and 3,434 against 3,547 at 32, with a
+    lower ITL p99 at both (3 alternating rounds, torch's OpenMP threads then;
+    BENCHMARKS.md).
     """
     if args.cpu_threads is not None:
         return args.cpu_threads
