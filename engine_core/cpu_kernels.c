@@ -855,11 +855,15 @@ void zs_pack_linear(const bf16 *w, int64_t n, int64_t k, int gated, bf16 *out) {
  * round. An odd K's last pair takes x's last element alone. */
 static inline __attribute__((always_inline)) void linear_rows(
     const bf16 *x, int64_t xs, const bf16 *tile, int64_t k, const float *bias, bf16 *y,
-    int64_t ys, const int R, __mmask16 m0, __mmask16 m1, int gated) {
+    int64_t ys, const int R, __mmask16 m0, __mmask16 m1, int gated, const bf16 *next) {
     __m512 acc[8][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const int64_t full = k / 2;
     for (int64_t p = 0; p < full; p++) {
+        if (next) {
+            _mm_prefetch((const char *)(next + p * 2 * ZS_TILE), _MM_HINT_T1);
+            _mm_prefetch((const char *)(next + p * 2 * ZS_TILE + ZS_TILE), _MM_HINT_T1);
+        }
         const __m512bh b0 = (__m512bh)_mm512_loadu_si512(tile + p * 2 * ZS_TILE);
         const __m512bh b1 = (__m512bh)_mm512_loadu_si512(tile + p * 2 * ZS_TILE + ZS_TILE);
         for (int r = 0; r < R; r++) {
@@ -917,6 +921,7 @@ static void linear_tiles(const void *job, int64_t begin, int64_t end) {
     const int gated = j->gated;
     bf16 *y = j->y;
     const int64_t pairs = (k + 1) / 2, width = tile_cols(gated);
+    const int64_t tiles = (n + width - 1) / width;
     for (int64_t t = begin; t < end; t++) {
         const bf16 *tile = packed + t * pairs * 2 * ZS_TILE;
         const int64_t left = n - t * width;
@@ -926,17 +931,20 @@ static void linear_tiles(const void *job, int64_t begin, int64_t end) {
                                                : (__mmask16)((1u << (left - 16)) - 1u);
         const float *b = bias ? bias + t * ZS_TILE : NULL;
         for (int64_t r0 = 0; r0 < m; r0 += 8) {
+            /* The first pass over a tile also fetches the next one (whichever thread
+             * takes it), so no tile starts cold from memory. */
+            const bf16 *next = r0 == 0 && t + 1 < tiles ? tile + pairs * 2 * ZS_TILE : NULL;
             const bf16 *xr = x + r0 * xs;
             bf16 *yr = y + r0 * ys + t * width;
             switch (m - r0 < 8 ? m - r0 : 8) {
-            case 8: linear_rows(xr, xs, tile, k, b, yr, ys, 8, m0, m1, gated); break;
-            case 7: linear_rows(xr, xs, tile, k, b, yr, ys, 7, m0, m1, gated); break;
-            case 6: linear_rows(xr, xs, tile, k, b, yr, ys, 6, m0, m1, gated); break;
-            case 5: linear_rows(xr, xs, tile, k, b, yr, ys, 5, m0, m1, gated); break;
-            case 4: linear_rows(xr, xs, tile, k, b, yr, ys, 4, m0, m1, gated); break;
-            case 3: linear_rows(xr, xs, tile, k, b, yr, ys, 3, m0, m1, gated); break;
-            case 2: linear_rows(xr, xs, tile, k, b, yr, ys, 2, m0, m1, gated); break;
-            default: linear_rows(xr, xs, tile, k, b, yr, ys, 1, m0, m1, gated); break;
+            case 8: linear_rows(xr, xs, tile, k, b, yr, ys, 8, m0, m1, gated, next); break;
+            case 7: linear_rows(xr, xs, tile, k, b, yr, ys, 7, m0, m1, gated, next); break;
+            case 6: linear_rows(xr, xs, tile, k, b, yr, ys, 6, m0, m1, gated, next); break;
+            case 5: linear_rows(xr, xs, tile, k, b, yr, ys, 5, m0, m1, gated, next); break;
+            case 4: linear_rows(xr, xs, tile, k, b, yr, ys, 4, m0, m1, gated, next); break;
+            case 3: linear_rows(xr, xs, tile, k, b, yr, ys, 3, m0, m1, gated, next); break;
+            case 2: linear_rows(xr, xs, tile, k, b, yr, ys, 2, m0, m1, gated, next); break;
+            default: linear_rows(xr, xs, tile, k, b, yr, ys, 1, m0, m1, gated, next); break;
             }
         }
     }
