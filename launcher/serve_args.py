@@ -183,8 +183,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="auto",
         choices=["auto", "off"],
         help="auto: the native bf16 forward on CPU runs zserve's C kernels (fused norms, "
-        "RoPE, SiLU and paged attention; compiled once per machine with gcc), falling back "
-        "to torch's ops where they cannot build; off: torch's ops always",
+        "RoPE, SiLU, paged attention and, with AVX512-BF16, the matmuls; compiled once per "
+        "machine with gcc), falling back to torch's ops where they cannot build; off: "
+        "torch's ops always",
     )
 
     g = p.add_argument_group("OpenAI API")
