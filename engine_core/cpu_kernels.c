@@ -186,9 +186,10 @@ int zs_set_threads(int threads) {
         }
         pool.workers++;
     }
-    atomic_store(&pool.active, pool.workers + 1 < threads ? pool.workers + 1 : threads);
+    const int in_effect = ok ? threads : pool.workers + 1;
+    atomic_store(&pool.active, in_effect);
     pthread_mutex_unlock(&pool.lock);
-    return ok ? threads : pool.workers + 1;
+    return in_effect;
 }
 
 static void zs_parallel(int64_t n, int64_t grain, int parallel, zs_task fn, const void *ctx) {
@@ -767,40 +768,38 @@ static void draw_rows(const void *job, int64_t begin, int64_t end) {
     const int64_t stride = jb->stride, vocab = jb->vocab;
     int64_t *out = jb->out;
     const int64_t blocks = (vocab + 15) / 16;
-    {
-        float *e = scratch(sizeof(float) * (blocks * 16 + blocks));
-        float *block_sums = e + blocks * 16;
-        for (int64_t r = begin; r < end; r++) {
-            const float *x = logits + r * stride;
-            const float m = row_max(x, vocab);
-            softmax_numerators(x, m, e, block_sums, vocab);
-            float total = 0.f;
-            for (int64_t j = 0; j < blocks; j++) total += block_sums[j];
-            float target = u[r] * total;
-            const float below = total * (1.f - 1.f / 1048576.f);
-            if (target > below) target = below;
-            float acc = 0.f;
-            int64_t j = 0;
-            while (j < blocks - 1 && acc + block_sums[j] <= target) acc += block_sums[j++];
-            int64_t pick = -1, last = -1;
-            for (int64_t i = j * 16; i < j * 16 + 16 && i < vocab; i++) {
-                if (e[i] <= 0.f) continue;
-                last = i;
-                acc += e[i];
-                if (acc > target) {
+    float *e = scratch(sizeof(float) * (blocks * 16 + blocks));
+    float *block_sums = e + blocks * 16;
+    for (int64_t r = begin; r < end; r++) {
+        const float *x = logits + r * stride;
+        const float m = row_max(x, vocab);
+        softmax_numerators(x, m, e, block_sums, vocab);
+        float total = 0.f;
+        for (int64_t j = 0; j < blocks; j++) total += block_sums[j];
+        float target = u[r] * total;
+        const float below = total * (1.f - 1.f / 1048576.f);
+        if (target > below) target = below;
+        float acc = 0.f;
+        int64_t j = 0;
+        while (j < blocks - 1 && acc + block_sums[j] <= target) acc += block_sums[j++];
+        int64_t pick = -1, last = -1;
+        for (int64_t i = j * 16; i < j * 16 + 16 && i < vocab; i++) {
+            if (e[i] <= 0.f) continue;
+            last = i;
+            acc += e[i];
+            if (acc > target) {
+                pick = i;
+                break;
+            }
+        }
+        if (pick < 0) pick = last;  /* rounding left the target past the block */
+        if (pick < 0)               /* ... in a block without mass: the best token */
+            for (int64_t i = 0; i < vocab; i++)
+                if (x[i] == m) {
                     pick = i;
                     break;
                 }
-            }
-            if (pick < 0) pick = last;  /* rounding left the target past the block */
-            if (pick < 0)               /* ... in a block without mass: the best token */
-                for (int64_t i = 0; i < vocab; i++)
-                    if (x[i] == m) {
-                        pick = i;
-                        break;
-                    }
-            out[r] = pick;
-        }
+        out[r] = pick;
     }
 }
 
@@ -819,7 +818,7 @@ void zs_softmax_draw(const float *logits, int64_t stride, const float *u, int64_
  * The weight [N, K] is packed once into tiles of 32 output columns, each tile
  * K/2 pairs x 32 columns x 2: one pair of K for 32 columns is two vector loads, and
  * one 32-bit broadcast of x feeds both. A tile is one unit of work, taken by
- * whichever thread is free (schedule dynamic), so a thread the OS descheduled holds
+ * whichever thread is free (zs_parallel), so a thread the OS descheduled holds
  * up at most its current tile, not half of the matmul; the tile stays in L1/L2
  * while all M rows pass over it, 8 rows at a time (16 accumulators in registers).
  */
