@@ -469,7 +469,9 @@ static float row_max(const float *x, int64_t vocab) {
     return best;
 }
 
-static inline void prefetch_block(const bf16 *p, int64_t bytes) {
+/* Always inlined: GCC takes a function that only prefetches for one without
+ * effects, and drops the calls to it. */
+static inline __attribute__((always_inline)) void prefetch_block(const bf16 *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
 }
 
@@ -718,15 +720,37 @@ struct attention_job {
     int64_t out_stride, s_stride;
 };
 
-/* Items are (row, KV head) pairs. */
+/* The first key an item's row attends to (a sliding window starts late). */
+static inline int64_t item_start(const struct attention_job *j, int64_t len) {
+    return (j->window > 0 && len > j->window) ? len - j->window : 0;
+}
+
+/* Ask for all of one item's K and V blocks into L2: the blocks are scattered over
+ * the cache, so an item that starts cold waits on memory for each one. */
+static inline __attribute__((always_inline)) void prefetch_item(const struct attention_job *j,
+                                                                 int64_t item) {
+    const int64_t hkv = j->hkv, n = item / hkv, h = item % hkv, len = j->row_len[n];
+    const int64_t bs = j->block_size, bytes = bs * j->d * (int64_t)sizeof(bf16);
+    const int32_t *table = j->tables + (int64_t)j->row_table[n] * j->table_stride;
+    for (int64_t b = item_start(j, len) / bs; b * bs < len; b++) {
+        const int64_t base = ((int64_t)table[b] * hkv + h) * bs * j->d;
+        for (int64_t o = 0; o < bytes; o += 64) {
+            __builtin_prefetch((const char *)(j->k_cache + base) + o, 0, 2);
+            __builtin_prefetch((const char *)(j->v_cache + base) + o, 0, 2);
+        }
+    }
+}
+
+/* Items are (row, KV head) pairs; each one fetches the next while it computes. */
 static void attention_items(const void *job, int64_t begin, int64_t end) {
     const struct attention_job *j = job;
     const int64_t hkv = j->hkv, groups = j->hq / hkv, d = j->d;
     float *s = scratch(sizeof(float) * ZS_PAD_GROUPS(groups) * j->s_stride);
     for (int64_t item = begin; item < end; item++) {
+        if (item + 1 < end) prefetch_item(j, item + 1);
         const int64_t n = item / hkv, h = item % hkv;
         const int64_t len = j->row_len[n];
-        const int64_t start = (j->window > 0 && len > j->window) ? len - j->window : 0;
+        const int64_t start = item_start(j, len);
         attend_row(j->q + n * j->q_stride + h * groups * d, j->k_cache, j->v_cache,
                    j->tables + (int64_t)j->row_table[n] * j->table_stride, start, len, h, hkv,
                    groups, d, j->block_size, j->scale, j->softcap,
