@@ -945,6 +945,8 @@ static void linear_tiles(const void *job, int64_t begin, int64_t end) {
     bf16 *y = j->y;
     const int64_t pairs = (k + 1) / 2, width = tile_cols(gated);
     const int64_t tiles = (n + width - 1) / width;
+    /* Threads take tiles in turn, so a thread's next tile is usually `ahead` on. */
+    const int64_t ahead = atomic_load(&pool.active);
     for (int64_t t = begin; t < end; t++) {
         const bf16 *tile = packed + t * pairs * 2 * ZS_TILE;
         const int64_t left = n - t * width;
@@ -954,9 +956,10 @@ static void linear_tiles(const void *job, int64_t begin, int64_t end) {
                                                : (__mmask16)((1u << (left - 16)) - 1u);
         const float *b = bias ? bias + t * ZS_TILE : NULL;
         for (int64_t r0 = 0; r0 < m; r0 += 8) {
-            /* The first pass over a tile also fetches the next one (whichever thread
-             * takes it), so no tile starts cold from memory. */
-            const bf16 *next = r0 == 0 && t + 1 < tiles ? tile + pairs * 2 * ZS_TILE : NULL;
+            /* The first pass over a tile also fetches this thread's likely next one
+             * (into its own L2), so few tiles start cold from memory. */
+            const bf16 *next =
+                r0 == 0 && t + ahead < tiles ? tile + ahead * pairs * 2 * ZS_TILE : NULL;
             const bf16 *xr = x + r0 * xs;
             bf16 *yr = y + r0 * ys + t * width;
             switch (m - r0 < 8 ? m - r0 : 8) {
