@@ -501,38 +501,39 @@ static inline __attribute__((always_inline)) void attend_row_impl(
      * one: ask for the next K block and this block's V rows ahead of their use. */
     const int64_t row_bytes = d * (int64_t)sizeof(bf16), block_bytes = bs * row_bytes;
     prefetch_block(k_cache + (((int64_t)table[start / bs] * hkv + h) * bs) * d, block_bytes);
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t pos = start + t;
-        if (pos % bs == 0 || t == 0) {
-            const int64_t b = pos / bs, base = ((int64_t)table[b] * hkv + h) * bs * d;
-            prefetch_block(v_cache + base, block_bytes);
-            if ((b + 1) * bs < len)
-                prefetch_block(k_cache + (((int64_t)table[b + 1] * hkv + h) * bs) * d, block_bytes);
-        }
-        const bf16 *kr = cache_row(k_cache, table, pos, h, hkv, bs, d);
-        __m512bh kv[ZS_MAX_HEAD_DIM / 32];
-        for (int64_t c = 0; c < dk; c++) {
-            const int64_t left = d - c * 32;
-            const __mmask32 m = left >= 32 ? 0xffffffffu : ((1u << left) - 1u);
-            kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, kr + c * 32);
-        }
-        for (int64_t g = 0; g < gp; g += 4) {
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    /* Block by block, so finding a row takes no division. */
+    for (int64_t t = 0, b = start / bs; t < n; b++) {
+        const int64_t base = ((int64_t)table[b] * hkv + h) * bs * d;
+        prefetch_block(v_cache + base, block_bytes);
+        if ((b + 1) * bs < len)
+            prefetch_block(k_cache + (((int64_t)table[b + 1] * hkv + h) * bs) * d, block_bytes);
+        const int64_t first = start + t - b * bs, stop = len - b * bs < bs ? len - b * bs : bs;
+        for (int64_t off = first; off < stop; off++, t++) {
+            const bf16 *kr = k_cache + base + off * d;
+            __m512bh kv[ZS_MAX_HEAD_DIM / 32];
             for (int64_t c = 0; c < dk; c++) {
-                a0 = _mm512_dpbf16_ps(a0, qv[g][c], kv[c]);
-                a1 = _mm512_dpbf16_ps(a1, qv[g + 1][c], kv[c]);
-                a2 = _mm512_dpbf16_ps(a2, qv[g + 2][c], kv[c]);
-                a3 = _mm512_dpbf16_ps(a3, qv[g + 3][c], kv[c]);
+                const int64_t left = d - c * 32;
+                const __mmask32 m = left >= 32 ? 0xffffffffu : ((1u << left) - 1u);
+                kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, kr + c * 32);
             }
-            __m128 r = _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale));
-            if (softcap > 0.f) {
-                float x[4];
-                _mm_storeu_ps(x, r);
-                for (int j = 0; j < 4; j++) x[j] = tanhf(x[j] / softcap) * softcap;
-                r = _mm_loadu_ps(x);
+            for (int64_t g = 0; g < gp; g += 4) {
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t c = 0; c < dk; c++) {
+                    a0 = _mm512_dpbf16_ps(a0, qv[g][c], kv[c]);
+                    a1 = _mm512_dpbf16_ps(a1, qv[g + 1][c], kv[c]);
+                    a2 = _mm512_dpbf16_ps(a2, qv[g + 2][c], kv[c]);
+                    a3 = _mm512_dpbf16_ps(a3, qv[g + 3][c], kv[c]);
+                }
+                __m128 r = _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale));
+                if (softcap > 0.f) {
+                    float x[4];
+                    _mm_storeu_ps(x, r);
+                    for (int j = 0; j < 4; j++) x[j] = tanhf(x[j] / softcap) * softcap;
+                    r = _mm_loadu_ps(x);
+                }
+                _mm_storeu_ps(s + t * gp + g, r);
+                best[g / 4] = _mm_max_ps(best[g / 4], r);
             }
-            _mm_storeu_ps(s + t * gp + g, r);
-            best[g / 4] = _mm_max_ps(best[g / 4], r);
         }
     }
     /* Softmax numerators in place, a whole vector (16 / gp keys) at a time; the
@@ -561,17 +562,20 @@ static inline __attribute__((always_inline)) void attend_row_impl(
     __m512 acc[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM / 16];
     for (int64_t g = 0; g < groups; g++)
         for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t pos = start + t;
-        const bf16 *vr = cache_row(v_cache, table, pos, h, hkv, bs, d);
-        __m512 vv[ZS_MAX_HEAD_DIM / 16];
-        for (int64_t c = 0; c < dv; c++) {
-            const int64_t left = d - c * 16;
-            vv[c] = load_bf16_as_f32(vr + c * 16, left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u));
-        }
-        for (int64_t g = 0; g < groups; g++) {
-            const __m512 p = _mm512_set1_ps(s[t * gp + g]);
-            for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+    for (int64_t t = 0, b = start / bs; t < n; b++) {
+        const bf16 *vb = v_cache + ((int64_t)table[b] * hkv + h) * bs * d;
+        const int64_t first = start + t - b * bs, stop = len - b * bs < bs ? len - b * bs : bs;
+        for (int64_t off = first; off < stop; off++, t++) {
+            const bf16 *vr = vb + off * d;
+            __m512 vv[ZS_MAX_HEAD_DIM / 16];
+            for (int64_t c = 0; c < dv; c++) {
+                const int64_t left = d - c * 16;
+                vv[c] = load_bf16_as_f32(vr + c * 16, left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u));
+            }
+            for (int64_t g = 0; g < groups; g++) {
+                const __m512 p = _mm512_set1_ps(s[t * gp + g]);
+                for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+            }
         }
     }
     for (int64_t g = 0; g < groups; g++) {
