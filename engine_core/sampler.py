@@ -55,8 +55,9 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         dev = logits.device
-        temp = torch.tensor([r.params.temperature for r in requests], device=dev)[:, None]
-        logits = logits.div_(temp)
+        temps = [r.params.temperature for r in requests]
+        if any(t != 1.0 for t in temps):  # x / 1.0 is x: skip a pass over [B, V]
+            logits = logits.div_(torch.tensor(temps, device=dev)[:, None])
         min_p = [r.params.min_p for r in requests]
         if any(min_p):
             probs = torch.softmax(logits, dim=-1)
