@@ -46,7 +46,7 @@ typedef uint16_t bf16;
 /* Below this many elements a loop runs on one thread: waking the others costs more. */
 #define ZS_PARALLEL_MIN 16384
 
-int zs_abi(void) { return 2; }
+int zs_abi(void) { return 3; }
 int zs_has_avx512(void) { return ZS_AVX512; }
 
 static inline float bf2f(bf16 x) {
@@ -879,10 +879,13 @@ void zs_pack_linear(const bf16 *w, int64_t n, int64_t k, int gated, bf16 *out) {
 
 /* Rows [0, R) of x against one packed tile into y's 32 columns (masks: the columns
  * that exist), or gated into 16: silu(gate) * up, each rounded where torch's bf16 ops
- * round. An odd K's last pair takes x's last element alone. */
+ * round. With yf (not gated) the rounded values go out widened to fp32 instead, as
+ * .float() of the bf16 result would give them. An odd K's last pair takes x's last
+ * element alone. */
 static inline __attribute__((always_inline)) void linear_rows(
     const bf16 *x, int64_t xs, const bf16 *tile, int64_t k, const float *bias, bf16 *y,
-    int64_t ys, const int R, __mmask16 m0, __mmask16 m1, int gated, const bf16 *next) {
+    float *yf, int64_t ys, const int R, __mmask16 m0, __mmask16 m1, int gated,
+    const bf16 *next) {
     __m512 acc[8][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const int64_t full = k / 2;
@@ -923,8 +926,13 @@ static inline __attribute__((always_inline)) void linear_rows(
     for (int r = 0; r < R; r++) {
         const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], bias0));
         const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], bias1));
-        _mm256_mask_storeu_epi16(y + r * ys, m0, lo);
-        _mm256_mask_storeu_epi16(y + r * ys + 16, m1, hi);
+        if (yf) {
+            _mm512_mask_storeu_ps(yf + r * ys, m0, bf16_as_f32(lo));
+            _mm512_mask_storeu_ps(yf + r * ys + 16, m1, bf16_as_f32(hi));
+        } else {
+            _mm256_mask_storeu_epi16(y + r * ys, m0, lo);
+            _mm256_mask_storeu_epi16(y + r * ys + 16, m1, hi);
+        }
     }
 }
 
@@ -936,6 +944,7 @@ struct linear_job {
     int64_t m, n, k;
     int gated;
     bf16 *y;
+    float *yf; /* instead of y: fp32 out */
     int64_t ys;
 };
 
@@ -947,6 +956,7 @@ static void linear_tiles(const void *job, int64_t begin, int64_t end) {
     const int64_t xs = j->xs, m = j->m, n = j->n, k = j->k, ys = j->ys;
     const int gated = j->gated;
     bf16 *y = j->y;
+    float *yf = j->yf;
     const int64_t pairs = (k + 1) / 2, width = tile_cols(gated);
     const int64_t tiles = (n + width - 1) / width;
     /* Threads take tiles in turn, so a thread's next tile is usually `ahead` on. */
@@ -965,27 +975,31 @@ static void linear_tiles(const void *job, int64_t begin, int64_t end) {
             const bf16 *next =
                 r0 == 0 && t + ahead < tiles ? tile + ahead * pairs * 2 * ZS_TILE : NULL;
             const bf16 *xr = x + r0 * xs;
-            bf16 *yr = y + r0 * ys + t * width;
+            bf16 *yr = yf ? NULL : y + r0 * ys + t * width;
+            float *yfr = yf ? yf + r0 * ys + t * width : NULL;
             switch (m - r0 < 8 ? m - r0 : 8) {
-            case 8: linear_rows(xr, xs, tile, k, b, yr, ys, 8, m0, m1, gated, next); break;
-            case 7: linear_rows(xr, xs, tile, k, b, yr, ys, 7, m0, m1, gated, next); break;
-            case 6: linear_rows(xr, xs, tile, k, b, yr, ys, 6, m0, m1, gated, next); break;
-            case 5: linear_rows(xr, xs, tile, k, b, yr, ys, 5, m0, m1, gated, next); break;
-            case 4: linear_rows(xr, xs, tile, k, b, yr, ys, 4, m0, m1, gated, next); break;
-            case 3: linear_rows(xr, xs, tile, k, b, yr, ys, 3, m0, m1, gated, next); break;
-            case 2: linear_rows(xr, xs, tile, k, b, yr, ys, 2, m0, m1, gated, next); break;
-            default: linear_rows(xr, xs, tile, k, b, yr, ys, 1, m0, m1, gated, next); break;
+            case 8: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 8, m0, m1, gated, next); break;
+            case 7: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 7, m0, m1, gated, next); break;
+            case 6: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 6, m0, m1, gated, next); break;
+            case 5: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 5, m0, m1, gated, next); break;
+            case 4: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 4, m0, m1, gated, next); break;
+            case 3: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 3, m0, m1, gated, next); break;
+            case 2: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 2, m0, m1, gated, next); break;
+            default: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 1, m0, m1, gated, next); break;
             }
         }
     }
 }
 
-/* x [M, K] (row stride xs), packed W, bias fp32 [N] or NULL -> y [M, N] (stride ys);
- * gated (no bias): y = silu(x Gᵀ) * (x Uᵀ). */
+/* x [M, K] (row stride xs), packed W, bias fp32 [N] or NULL -> y [M, N] (stride ys),
+ * bf16, or with out_f32 fp32 (the bf16-rounded values; not gated); gated (no bias):
+ * y = silu(x Gᵀ) * (x Uᵀ). */
 void zs_linear(const bf16 *x, int64_t xs, const bf16 *packed, const float *bias, int64_t m,
-               int64_t n, int64_t k, int gated, bf16 *y, int64_t ys) {
+               int64_t n, int64_t k, int gated, void *y, int64_t ys, int out_f32) {
     const int64_t tiles = (n + tile_cols(gated) - 1) / tile_cols(gated);
-    const struct linear_job j = {x, xs, packed, bias, m, n, k, gated, y, ys};
+    const int f32 = out_f32 && !gated;
+    const struct linear_job j = {
+        x, xs, packed, bias, m, n, k, gated, f32 ? NULL : (bf16 *)y, f32 ? (float *)y : NULL, ys};
     zs_parallel(tiles, 1, m * n * k >= 16 * ZS_PARALLEL_MIN, linear_tiles, &j);
 }
 #endif

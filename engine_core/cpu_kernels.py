@@ -32,7 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-ABI = 2  # zs_abi() of the source this module speaks to
+ABI = 3  # zs_abi() of the source this module speaks to
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16  # query heads per KV head
 
@@ -51,7 +51,7 @@ _SIGNATURES = {
 _LINEAR_SIGNATURES = {
     "zs_linear_packed_len": [_I64, _I64, _INT],
     "zs_pack_linear": [_P, _I64, _I64, _INT, _P],
-    "zs_linear": [_P, _I64, _P, _P, _I64, _I64, _I64, _INT, _P, _I64],
+    "zs_linear": [_P, _I64, _P, _P, _I64, _I64, _I64, _INT, _P, _I64, _INT],
 }
 
 
@@ -210,17 +210,22 @@ class CpuKernels:
         bias: torch.Tensor | None,
         n: int,
         gated: bool = False,
+        out_f32: bool = False,
     ) -> torch.Tensor:
         """x [M, K] (rows may be strided) @ the packed weight's [N, K]ᵀ (+ bias, fp32
-        [N]) → bf16 [M, N]; gated (no bias): silu(x Gᵀ) · (x Uᵀ) → [M, I = n], rounded
-        as silu_mul() of the projection would be."""
+        [N]) → bf16 [M, N], or with out_f32 fp32 [M, N]: the same bf16-rounded values,
+        as .float() of the bf16 result, in one pass; gated (no bias, bf16 out):
+        silu(x Gᵀ) · (x Uᵀ) → [M, I = n], rounded as silu_mul() of the projection."""
         rows, k = x.shape
         if x.stride(1) != 1:
             x = x.contiguous()
-        out = torch.empty(rows, n, dtype=x.dtype)
+        if out_f32 and gated:
+            raise ValueError("the gated matmul answers bf16 only")
+        out = torch.empty(rows, n, dtype=torch.float32 if out_f32 else x.dtype)
         self._linear(
             x.data_ptr(), x.stride(0), packed.data_ptr(),
             None if bias is None else bias.data_ptr(), rows, n, k, gated, out.data_ptr(), n,
+            out_f32,
         )  # fmt: skip
         return out
 

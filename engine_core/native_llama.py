@@ -56,7 +56,8 @@ def native_unsupported_reason(info: ModelInfo) -> str | None:
 
 class _Linear:
     """y = x Wᵀ (+ b), or with `silu_mul` (the fused gate/up weight [2 I, hidden]):
-    silu(x Gᵀ) · (x Uᵀ) [M, I].
+    silu(x Gᵀ) · (x Uᵀ) [M, I]. With `f32` the answer is fp32: y in the weight's
+    dtype, then widened (the kernels' matmul does both in one pass).
 
     bf16 weights on CPU are packed once: for the CPU kernels' AVX512-BF16 matmul
     where `kernels` has one (it also fuses the SiLU product), else into oneDNN's
@@ -64,7 +65,9 @@ class _Linear:
     bit-identical results); anything else goes through F.linear, so fp32 stays
     exactly transformers'. A packed weight drops the unpacked one."""
 
-    __slots__ = ("weight", "bias", "packed", "kernels", "fused", "bias_f32", "silu_mul", "width")
+    __slots__ = (
+        "weight", "bias", "packed", "kernels", "fused", "bias_f32", "silu_mul", "width", "f32",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -72,9 +75,10 @@ class _Linear:
         bias: torch.Tensor | None = None,
         kernels: cpu_kernels.CpuKernels | None = None,
         silu_mul: bool = False,
+        f32: bool = False,
     ) -> None:
         self.weight, self.bias, self.packed, self.kernels = weight, bias, None, kernels
-        self.silu_mul, self.bias_f32 = silu_mul, None
+        self.silu_mul, self.bias_f32, self.f32 = silu_mul, None, f32
         self.width = weight.shape[0] // 2 if silu_mul else weight.shape[0]
         bf16_cpu = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
         self.fused = bf16_cpu and kernels is not None and kernels.has_linear
@@ -94,13 +98,15 @@ class _Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return self.kernels.linear(x, self.packed, self.bias_f32, self.width, self.silu_mul)
+            return self.kernels.linear(
+                x, self.packed, self.bias_f32, self.width, self.silu_mul, self.f32
+            )
         if self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         else:
             y = F.linear(x, self.weight, self.bias)
         if not self.silu_mul:
-            return y
+            return y.float() if self.f32 else y
         if self.kernels is not None:
             return self.kernels.silu_mul(y)
         gate, up = y.chunk(2, dim=-1)
@@ -181,13 +187,19 @@ class NativeLlamaBackend:
         self.kernels = self._cpu_kernels(use_cpu_kernels)
 
         def linear(
-            weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False
+            weight: torch.Tensor,
+            bias: torch.Tensor | None = None,
+            silu_mul: bool = False,
+            f32: bool = False,
         ) -> _Linear:
-            return _Linear(weight, bias, self.kernels, silu_mul)
+            return _Linear(weight, bias, self.kernels, silu_mul, f32)
 
         self.embed = w.get("model.embed_tokens.weight")
         self.norm = w.get("model.norm.weight")
-        self.lm_head = linear(w.get("lm_head.weight") if w.has("lm_head.weight") else self.embed)
+        # fp32 logits for the sampler.
+        self.lm_head = linear(
+            w.get("lm_head.weight") if w.has("lm_head.weight") else self.embed, f32=True
+        )
         layer_types = getattr(cfg, "layer_types", None)
         window = getattr(cfg, "sliding_window", None)
         self.layers = []
@@ -298,7 +310,7 @@ class NativeLlamaBackend:
             x = self._rms_norm(hidden, layer.post_norm)
             hidden = residual + layer.down(layer.gate_up(x))
         hidden = self._rms_norm(hidden.index_select(0, logits_indices), self.norm)
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)
 
     def _forward_kernels(
         self,
@@ -333,4 +345,4 @@ class NativeLlamaBackend:
                 x = k.rms_norm(down, self.layers[i + 1].input_norm, eps, residual=hidden)
         # Only the rows that sample need the last residual add and the final norm.
         last = hidden.index_select(0, logits_indices) + down.index_select(0, logits_indices)
-        return self.lm_head(k.rms_norm(last, self.norm, eps)).float()
+        return self.lm_head(k.rms_norm(last, self.norm, eps))

@@ -103,6 +103,21 @@ def test_linear_matches_an_fp64_reference(kernels, m, n, k, bias):
     assert bool((off <= bound).all()), float((off - bound).max())
 
 
+@pytest.mark.parametrize("m,n,bias", [(1, 8192, False), (13, 100, True)])
+def test_linear_with_fp32_out_is_the_bf16_result_widened(kernels, m, n, bias):
+    # The LM head's logits: the same bf16-rounded values, as .float() would give them.
+    kernels = _linear_kernels(kernels)
+    g = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, 96, generator=g).to(BF16)
+    packed = kernels.pack_linear(torch.randn(n, 96, generator=g).to(BF16))
+    b = torch.randn(n, generator=g) if bias else None
+    got = kernels.linear(x, packed, b, n, out_f32=True)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert torch.equal(got, kernels.linear(x, packed, b, n).float())
+    with pytest.raises(ValueError, match="bf16 only"):
+        kernels.linear(x, packed, None, n // 2, gated=True, out_f32=True)
+
+
 def test_linear_reads_strided_rows_and_agrees_with_torch(kernels):
     kernels = _linear_kernels(kernels)
     g = torch.Generator().manual_seed(3)
