@@ -424,12 +424,21 @@ static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
 }
 
-static inline __m512 load_bf16_as_f32(const bf16 *p, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+/* The first `left` lanes (all of them from the vector's width on); left > 0. */
+static inline __mmask16 lanes16(int64_t left) {
+    return left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);
+}
+
+static inline __mmask32 lanes32(int64_t left) {
+    return left >= 32 ? 0xffffffffu : (__mmask32)((1u << left) - 1u);
 }
 
 static inline __m512 bf16_as_f32(__m256i raw) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+static inline __m512 load_bf16_as_f32(const bf16 *p, __mmask16 m) {
+    return bf16_as_f32(_mm256_maskz_loadu_epi16(m, p));
 }
 
 /* rms_rows with 16 lanes at a time: the same roundings; only the order of the sum of
@@ -444,7 +453,7 @@ static void rms_rows_avx512(const void *job, int64_t begin, int64_t end) {
         bf16 *o = j->out + r * j->out_stride;
         __m512 squares = _mm512_setzero_ps();
         for (int64_t i = 0; i < hidden; i += 16) {
-            const __mmask16 m = hidden - i >= 16 ? 0xffff : (__mmask16)((1u << (hidden - i)) - 1u);
+            const __mmask16 m = lanes16(hidden - i);
             __m512 v = load_bf16_as_f32(xr + i, m);
             if (res) {
                 const __m256i sum =
@@ -458,7 +467,7 @@ static void rms_rows_avx512(const void *job, int64_t begin, int64_t end) {
             _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(squares) / (float)hidden + j->eps));
         const bf16 *src = res ? res : xr;
         for (int64_t i = 0; i < hidden; i += 16) {
-            const __mmask16 m = hidden - i >= 16 ? 0xffff : (__mmask16)((1u << (hidden - i)) - 1u);
+            const __mmask16 m = lanes16(hidden - i);
             const __m512 normed = bf16_as_f32(
                 (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load_bf16_as_f32(src + i, m), inv)));
             const __m512 scaled = _mm512_mul_ps(load_bf16_as_f32(j->weight + i, m), normed);
@@ -493,7 +502,7 @@ static void softmax_numerators(const float *x, float m, float *e, float *block_s
     const __m512 mx = _mm512_set1_ps(m), ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t i = 0, j = 0; i < vocab; i += 16, j++) {
         const int64_t left = vocab - i;
-        const __mmask16 lane = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);
+        const __mmask16 lane = lanes16(left);
         const __m512 v = _mm512_mask_loadu_ps(ninf, lane, x + i);
         const __mmask16 live = _mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ);
         const __m512 ex = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(v, mx)));
@@ -530,7 +539,7 @@ static inline __attribute__((always_inline)) void attend_row_impl(
     for (int64_t g = 0; g < ZS_PAD_GROUPS(groups); g++)
         for (int64_t c = 0; c < dk; c++) {
             const int64_t left = d - c * 32;
-            const __mmask32 m = left >= 32 ? 0xffffffffu : ((1u << left) - 1u);
+            const __mmask32 m = lanes32(left);
             qv[g][c] = g < groups ? (__m512bh)_mm512_maskz_loadu_epi16(m, q + g * d + c * 32)
                                   : (__m512bh)_mm512_setzero_si512();
         }
@@ -555,7 +564,7 @@ static inline __attribute__((always_inline)) void attend_row_impl(
             __m512bh kv[ZS_MAX_HEAD_DIM / 32];
             for (int64_t c = 0; c < dk; c++) {
                 const int64_t left = d - c * 32;
-                const __mmask32 m = left >= 32 ? 0xffffffffu : ((1u << left) - 1u);
+                const __mmask32 m = lanes32(left);
                 kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, kr + c * 32);
             }
             for (int64_t g = 0; g < gp; g += 4) {
@@ -612,7 +621,7 @@ static inline __attribute__((always_inline)) void attend_row_impl(
             __m512 vv[ZS_MAX_HEAD_DIM / 16];
             for (int64_t c = 0; c < dv; c++) {
                 const int64_t left = d - c * 16;
-                vv[c] = load_bf16_as_f32(vr + c * 16, left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u));
+                vv[c] = load_bf16_as_f32(vr + c * 16, lanes16(left));
             }
             for (int64_t g = 0; g < groups; g++) {
                 const __m512 p = _mm512_set1_ps(s[t * gp + g]);
@@ -624,7 +633,7 @@ static inline __attribute__((always_inline)) void attend_row_impl(
         const __m512 f = _mm512_set1_ps(inv[g]);
         for (int64_t c = 0; c < dv; c++) {
             const int64_t left = d - c * 16;
-            const __mmask16 m = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);
+            const __mmask16 m = lanes16(left);
             const __m256i o = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], f));
             _mm256_mask_storeu_epi16(out + g * d + c * 16, m, o);
         }
@@ -1006,10 +1015,7 @@ static void linear_tiles(const void *job, int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t++) {
         const bf16 *tile = packed + t * pairs * 2 * ZS_TILE;
         const int64_t left = n - t * width;
-        const __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);
-        const __mmask16 m1 = gated || left <= 16 ? 0
-                             : left >= 32      ? 0xffff
-                                               : (__mmask16)((1u << (left - 16)) - 1u);
+        const __mmask16 m0 = lanes16(left), m1 = gated || left <= 16 ? 0 : lanes16(left - 16);
         const float *b = bias ? bias + t * ZS_TILE : NULL;
         for (int64_t r0 = 0; r0 < m; r0 += 8) {
             /* The first pass over a tile also fetches this thread's likely next one
