@@ -10,6 +10,7 @@ the forward of step N+1.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import queue
@@ -43,8 +44,9 @@ from protocol.sockets import make_socket, needs_curve, rank_identity
 
 log = logging.getLogger("zserve.engine")
 
-# Stats reach every API server at least this often while they change (load-balancing
-# freshness), and every HEARTBEAT_S regardless (liveness).
+# Stats reach every API server at least this often while they change (metrics), and
+# every HEARTBEAT_S regardless (liveness). What balancing steers by, the other servers'
+# requests here, reaches a server as soon as it changes (see `_LOAD`).
 STATS_INTERVAL_S = 0.1
 HEARTBEAT_S = 1.0
 
@@ -64,6 +66,7 @@ class _Shutdown(Exception):
 _HEARTBEAT = object()
 _DEAD = object()
 _CLIENT_GONE = object()  # input-queue kind: an API server went away
+_LOAD = object()  # output-queue item: tell each API server of a change in the others' load
 
 
 class EngineCoreProc:
@@ -82,7 +85,14 @@ class EngineCoreProc:
         self.ready: EngineReady | None = None
         self.stats = SchedulerStats()
         self.owners: dict[str, int] = {}  # request id -> client index, for _CLIENT_GONE
-        self.by_client: list[int] = []  # unfinished requests per client index
+        # Unfinished requests per client index = received - settled. The input thread
+        # counts a request in as it arrives, not when the busy loop gets to it: a step
+        # can take a while (a long prefill, a core shared with the API servers), and
+        # what an API server balances by must not lag behind it.
+        self.received: list[int] = []  # written by the input thread only
+        self.settled: list[int] = []  # finished, aborted or refused; the busy loop only
+        self.told_others: list[int] = []  # what each API server last heard; output thread
+        self.load_queued = False
 
     # --- start-up -----------------------------------------------------------------
 
@@ -142,6 +152,8 @@ class EngineCoreProc:
             )
             sock.connect(address)
             self.outputs.append(sock)
+        n = len(self.outputs)
+        self.received, self.settled, self.told_others = [0] * n, [0] * n, [0] * n
 
     def load(self) -> None:
         from engine_core.engine import EngineCore
@@ -182,7 +194,9 @@ class EngineCoreProc:
             monitors[monitor] = index
             sock.send(announcement)
         try:
+            n_clients = len(self.received)
             while not self.stop.is_set():
+                added = False
                 for sock, _ in poller.poll(100):
                     index = monitors.get(sock)
                     if index is not None:
@@ -194,7 +208,12 @@ class EngineCoreProc:
                     except codec.DecodeError as e:
                         log.warning("engine %d: dropped an undecodable request: %s", self.rank, e)
                         continue
+                    if kind is RequestType.ADD and 0 <= payload.client_index < n_clients:
+                        self.received[payload.client_index] += 1
+                        added = True
                     self.input_queue.put((kind, payload))
+                if added:
+                    self.queue_load_update()
         finally:
             for sock in self.inputs:
                 sock.disable_monitor()
@@ -222,15 +241,56 @@ class EngineCoreProc:
                 message = EngineCoreOutputs(
                     engine_index=self.rank, scheduler_stats=self.stats, timestamp=time.time()
                 )
-                for sock in self.outputs:
+                for index, sock in enumerate(self.outputs):
+                    self._note_told(index, message.scheduler_stats)
                     sock.send(codec.encode(message), copy=False)
+            elif message is _LOAD:
+                self.send_load_updates()
             elif message is _DEAD:
                 for sock in self.outputs:
                     sock.send_multipart([ENGINE_CORE_DEAD, rank_identity(self.rank)])
             elif 0 <= client_index < len(self.outputs):
+                if message.scheduler_stats is not None:
+                    self._note_told(client_index, message.scheduler_stats)
                 self.outputs[client_index].send(codec.encode(message), copy=False)
             else:
                 log.warning("engine %d: output for unknown client %d", self.rank, client_index)
+
+    def queue_load_update(self) -> None:
+        """Ask the output thread to tell the API servers of a change in their load
+        (at most one such request waits in its queue)."""
+        if not self.load_queued:
+            self.load_queued = True
+            self.output_queue.put((-1, _LOAD))
+
+    def by_client(self) -> list[int]:
+        return [r - s for r, s in zip(self.received, self.settled)]
+
+    def send_load_updates(self) -> None:
+        """Output thread: each API server whose view of the other servers' requests
+        here is out of date hears the current counts, with the last stats."""
+        self.load_queued = False  # before reading the counts: a later change re-queues
+        by_client = self.by_client()
+        total = sum(by_client)
+        stats = None
+        for index, sock in enumerate(self.outputs):
+            if total - by_client[index] == self.told_others[index]:
+                continue
+            if stats is None:
+                stats = copy.copy(self.stats)  # the busy loop's, as it was last made
+                stats.num_requests_by_client = by_client
+                data = codec.encode(
+                    EngineCoreOutputs(
+                        engine_index=self.rank, scheduler_stats=stats, timestamp=time.time()
+                    )
+                )
+            self._note_told(index, stats)
+            sock.send(data, copy=False)
+
+    def _note_told(self, index: int, stats: SchedulerStats) -> None:
+        by_client = stats.num_requests_by_client
+        if 0 <= index < len(by_client):
+            self.told_others[index] = sum(by_client) - by_client[index]
 
     def heartbeat_thread(self) -> None:
         """Liveness for every API server, whatever the busy loop does. The stats it
@@ -246,11 +306,10 @@ class EngineCoreProc:
             req: EngineCoreRequest = payload
             errors = engine.add_request(req)
             if errors:
+                self._settle(req.client_index)
                 self.send(req.client_index, errors)
             else:
                 self.owners[req.request_id] = req.client_index
-                if 0 <= req.client_index < len(self.by_client):
-                    self.by_client[req.client_index] += 1
         elif kind is RequestType.ABORT:
             engine.abort_requests(payload)
             for rid in payload:
@@ -275,12 +334,17 @@ class EngineCoreProc:
 
     def _forget(self, request_id: str) -> None:
         owner = self.owners.pop(request_id, None)
-        if owner is not None and 0 <= owner < len(self.by_client):
-            self.by_client[owner] -= 1
+        if owner is not None:
+            self._settle(owner)
+
+    def _settle(self, client_index: int) -> None:
+        """A request the input thread counted in is done with (any outcome)."""
+        if 0 <= client_index < len(self.settled):
+            self.settled[client_index] += 1
 
     def _make_stats(self) -> SchedulerStats:
         stats = self.engine.make_stats()
-        stats.num_requests_by_client = list(self.by_client)
+        stats.num_requests_by_client = self.by_client()
         return stats
 
     def call_utility(self, call: UtilityCall) -> None:
@@ -330,9 +394,9 @@ class EngineCoreProc:
         # until we tell it otherwise, so a change it missed must still reach it,
         # even once we go idle (the final "all done" is the one that matters most).
         told: list[tuple | None] = [None] * n_clients
-        self.by_client = [0] * n_clients
         self.stats: SchedulerStats = self._make_stats()
         while not self.stop.is_set():
+            settled = sum(self.settled)
             # Block while idle; the timeout keeps stats and heartbeats flowing.
             if not engine.has_unfinished_requests():
                 try:
@@ -362,6 +426,9 @@ class EngineCoreProc:
                     self.send(client_index, [])
                     last_sent[client_index] = now
                     told[client_index] = key
+            # ... and of finished requests, with no outputs for them, at once.
+            if sum(self.settled) != settled:
+                self.queue_load_update()
 
     # --- lifecycle ----------------------------------------------------------------
 
