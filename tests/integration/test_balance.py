@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import re
 import signal
@@ -20,8 +21,7 @@ MODEL = "tiny"
 
 
 async def _burst(base_url: str, n: int, max_tokens: int = 4, headers=None) -> list[httpx.Response]:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=120) as client:
+    async with _fresh_client(base_url) as client:
         return await asyncio.gather(
             *[
                 client.post(
@@ -37,6 +37,69 @@ async def _burst(base_url: str, n: int, max_tokens: int = 4, headers=None) -> li
                 for i in range(n)
             ]
         )
+
+
+@contextlib.asynccontextmanager
+async def _streams(client: httpx.AsyncClient, n: int, headers=None, keep=None):
+    """n long streams open at once, closed (so aborted) on exit.
+
+    They stay open until every one has started (its headers say where it went), so a
+    split shows placement alone. With short requests it also shows the engines' speed:
+    requests finish mid-burst, and the engine that finished more is less loaded and
+    rightly gets more (on CI, an engine starved by its neighbours got 75 of 200).
+    Streams that `keep` refuses are closed at once and replaced.
+    """
+
+    async def start(i: int) -> httpx.Response:
+        request = client.build_request(
+            "POST",
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": f"p{i}",
+                "max_tokens": 1000,  # seconds of decoding: none ends while the burst starts
+                "ignore_eos": True,
+                "stream": True,
+            },
+            headers=headers,
+        )
+        response = await client.send(request, stream=True)
+        if response.status_code != 200:
+            await response.aread()
+            raise AssertionError(response.text)
+        return response
+
+    held: list[httpx.Response] = []
+    try:
+        tries = 0
+        while len(held) < n and tries < 20 * n:
+            batch = await asyncio.gather(*[start(tries + i) for i in range(n - len(held))])
+            tries += len(batch)
+            for response in batch:
+                if keep is None or keep(response):
+                    held.append(response)
+                else:
+                    await response.aclose()
+        assert len(held) == n, f"only {len(held)} of {n} streams kept in {tries} tries"
+        yield held
+    finally:
+        for response in held:
+            await response.aclose()
+
+
+def _fresh_client(base_url: str) -> httpx.AsyncClient:
+    """A client whose every request opens its own connection, which SO_REUSEPORT
+    spreads over the API servers."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    return httpx.AsyncClient(base_url=base_url, limits=limits, timeout=120)
+
+
+def _held_burst(base_url: str, n: int) -> list[httpx.Response]:
+    async def run():
+        async with _fresh_client(base_url) as client, _streams(client, n) as held:
+            return held
+
+    return asyncio.run(run())
 
 
 def _split(responses, header: str) -> collections.Counter:
@@ -74,7 +137,7 @@ def two_by_two(tiny_model):
 
 def test_a_burst_before_any_stats_splits_evenly_over_engines(two_by_two):
     # The very first requests this server sees: no engine has reported load yet.
-    responses = asyncio.run(_burst(two_by_two.base_url, 200))
+    responses = _held_burst(two_by_two.base_url, 200)
     engines = _split(responses, "x-engine-rank")
     assert set(engines) == {"0", "1"}
     assert 90 <= engines["0"] <= 110, engines
@@ -83,19 +146,54 @@ def test_a_burst_before_any_stats_splits_evenly_over_engines(two_by_two):
 
 def test_200_concurrent_requests_from_two_api_servers_split_evenly_once_stats_flow(two_by_two):
     # Once engines report load, each API server counts its own requests itself and
-    # takes only the other server's from the engines' stats. Three bursts: each
-    # within 40/60 and together within 45/55 (in 48 bursts here, 47 were within
-    # 95-106 and one at 84: an engine that falls behind on 2 shared cores really
-    # is busier).
+    # takes only the other server's from the engines' stats. Three bursts of held
+    # streams: each within 40/60 and together within 45/55 (in 24 bursts here, with a
+    # busy loop hogging one core, all were within 92-108).
     totals = collections.Counter()
     for _ in range(3):
-        responses = asyncio.run(_burst(two_by_two.base_url, 200, max_tokens=16))
+        responses = _held_burst(two_by_two.base_url, 200)
         engines = _split(responses, "x-engine-rank")
         assert 80 <= engines["0"] <= 120, engines
         api = _split(responses, "x-api-server")
         assert api["0"] > 0 and api["1"] > 0
         totals += engines
     assert 270 <= totals["0"] <= 330, totals
+
+
+def test_an_api_server_steers_around_the_load_another_one_put_on_an_engine(two_by_two):
+    # 60 streams pinned to engine 1, all through API server 0, then 40 unpinned ones
+    # over both servers. Server 1 knows of server 0's 60 only from engine 1's stats,
+    # and must still send its share to engine 0. (A server that went by its own
+    # requests alone split its 20 evenly: 30/10 here, twice.)
+    async def run():
+        async with _fresh_client(two_by_two.base_url) as client:
+            async with _streams(
+                client,
+                60,
+                headers={"X-data-parallel-rank": "1"},
+                keep=lambda r: r.headers["x-api-server"] == "0",
+            ):
+                await _until_every_view_shows(client, running_on_1=60)
+                async with _streams(client, 40) as burst:
+                    return burst
+
+    burst = asyncio.run(run())
+    assert _split(burst, "x-engine-rank") == {"0": 40}
+    assert set(_split(burst, "x-api-server")) == {"0", "1"}
+
+
+async def _until_every_view_shows(client: httpx.AsyncClient, running_on_1: int) -> None:
+    """Until both API servers' view of engine 1 (its last stats) holds this many
+    requests: the pinned ones, and none of the attempts that `keep` refused."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + 30
+    while seen != {0, 1}:
+        assert time.monotonic() < deadline, f"only API servers {seen} saw it"
+        info = (await client.get("/server_info")).json()
+        if sum(info["engines"][1]["stats"]["num_requests_by_client"]) == running_on_1:
+            seen.add(info["api_server_index"])
+        else:
+            await asyncio.sleep(0.05)
 
 
 def test_every_api_server_sees_both_engines_idle_right_after_a_burst(two_by_two):
