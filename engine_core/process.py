@@ -39,6 +39,7 @@ from protocol.messages import (
     UtilityCall,
     UtilityResult,
     error_output,
+    others_requests,
 )
 from protocol.sockets import make_socket, needs_curve, rank_identity
 
@@ -241,9 +242,10 @@ class EngineCoreProc:
                 message = EngineCoreOutputs(
                     engine_index=self.rank, scheduler_stats=self.stats, timestamp=time.time()
                 )
+                data = codec.encode(message)
                 for index, sock in enumerate(self.outputs):
                     self._note_told(index, message.scheduler_stats)
-                    sock.send(codec.encode(message), copy=False)
+                    sock.send(data, copy=False)
             elif message is _LOAD:
                 self.send_load_updates()
             elif message is _DEAD:
@@ -271,10 +273,9 @@ class EngineCoreProc:
         here is out of date hears the current counts, with the last stats."""
         self.load_queued = False  # before reading the counts: a later change re-queues
         by_client = self.by_client()
-        total = sum(by_client)
         stats = None
         for index, sock in enumerate(self.outputs):
-            if total - by_client[index] == self.told_others[index]:
+            if others_requests(by_client, index) == self.told_others[index]:
                 continue
             if stats is None:
                 stats = copy.copy(self.stats)  # the busy loop's, as it was last made
@@ -288,9 +289,8 @@ class EngineCoreProc:
             sock.send(data, copy=False)
 
     def _note_told(self, index: int, stats: SchedulerStats) -> None:
-        by_client = stats.num_requests_by_client
-        if 0 <= index < len(by_client):
-            self.told_others[index] = sum(by_client) - by_client[index]
+        if stats.num_requests_by_client:
+            self.told_others[index] = others_requests(stats.num_requests_by_client, index)
 
     def heartbeat_thread(self) -> None:
         """Liveness for every API server, whatever the busy loop does. The stats it

@@ -26,6 +26,7 @@ from protocol.messages import (
     RequestType,
     SchedulerStats,
     UtilityCall,
+    others_requests,
 )
 from protocol.sockets import CurveKeys, bind, identity_rank, make_socket, needs_curve
 
@@ -208,8 +209,7 @@ class EngineClient:
         by_client = stats.num_requests_by_client
         if not by_client:  # no per-server split reported: the engine's whole load
             return stats.num_waiting + stats.num_running
-        mine = by_client[self.client_index] if self.client_index < len(by_client) else 0
-        return sum(by_client) - mine
+        return others_requests(by_client, self.client_index)
 
     def add_request(
         self, request: EngineCoreRequest, engine: EngineState, event: asyncio.Event | None = None

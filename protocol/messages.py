@@ -110,6 +110,14 @@ class SchedulerStats(_Wire):
     num_requests_by_client: list[int] = []
 
 
+def others_requests(by_client: list[int], client_index: int) -> int:
+    """The unfinished requests of every API server but this one, from
+    `num_requests_by_client`: what a server balancing load takes from an engine (it
+    counts its own), and what the engine checks each server has heard."""
+    mine = by_client[client_index] if 0 <= client_index < len(by_client) else 0
+    return sum(by_client) - mine
+
+
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 

@@ -173,7 +173,7 @@ def test_an_api_server_steers_around_the_load_another_one_put_on_an_engine(two_b
                 headers={"X-data-parallel-rank": "1"},
                 keep=lambda r: r.headers["x-api-server"] == "0",
             ):
-                await _until_every_view_shows(client, running_on_1=60)
+                await _until_every_view_shows(client, requests_on_1=60)
                 async with _streams(client, 40) as burst:
                     return burst
 
@@ -182,7 +182,7 @@ def test_an_api_server_steers_around_the_load_another_one_put_on_an_engine(two_b
     assert set(_split(burst, "x-api-server")) == {"0", "1"}
 
 
-async def _until_every_view_shows(client: httpx.AsyncClient, running_on_1: int) -> None:
+async def _until_every_view_shows(client: httpx.AsyncClient, requests_on_1: int) -> None:
     """Until both API servers' view of engine 1 (its last stats) holds this many
     requests: the pinned ones, and none of the attempts that `keep` refused."""
     seen: set[int] = set()
@@ -190,7 +190,7 @@ async def _until_every_view_shows(client: httpx.AsyncClient, running_on_1: int) 
     while seen != {0, 1}:
         assert time.monotonic() < deadline, f"only API servers {seen} saw it"
         info = (await client.get("/server_info")).json()
-        if sum(info["engines"][1]["stats"]["num_requests_by_client"]) == running_on_1:
+        if sum(info["engines"][1]["stats"]["num_requests_by_client"]) == requests_on_1:
             seen.add(info["api_server_index"])
         else:
             await asyncio.sleep(0.05)
