@@ -25,6 +25,7 @@ class Request:
     __slots__ = (
         "request_id",
         "client_index",
+        "group_key",
         "priority",
         "arrival_time",
         "params",
@@ -51,8 +52,10 @@ class Request:
 
     def __init__(self, request: EngineCoreRequest, eos_ids: frozenset[int]) -> None:
         params = request.sampling_params
-        self.request_id = request.request_id
+        request_id = self.request_id = request.request_id
         self.client_index = request.client_index
+        # Sequences of one API request are scheduled as a group (scheduling_policy.py).
+        self.group_key = (request.client_index, request.group) if request.group else request_id
         self.priority = request.priority
         self.arrival_time = request.arrival_time
         self.params: SamplingParams = params

@@ -8,55 +8,13 @@ running request is preempted and recomputed later (usually from the prefix cache
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 from engine_core.block_manager import BlockManager
 from engine_core.request import Request, RequestStatus
+from engine_core.scheduling_policy import make_policy
 from protocol.messages import FinishReason
-
-
-class WaitingQueue:
-    """Requests not running: FIFO, or a heap on (priority, arrival) for `priority`."""
-
-    def __init__(self, policy: str) -> None:
-        if policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {policy!r}")
-        self.by_priority = policy == "priority"
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._seq = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.by_priority else len(self._fifo)
-
-    def add(self, request: Request) -> None:
-        if self.by_priority:
-            heapq.heappush(self._heap, (*request.sort_key(), next(self._seq), request))
-        else:
-            self._fifo.append(request)
-
-    def add_front(self, request: Request) -> None:
-        """A preempted request: first in line again (by its own key under `priority`)."""
-        if self.by_priority:
-            self.add(request)
-        else:
-            self._fifo.appendleft(request)
-
-    def peek(self) -> Request:
-        return self._heap[0][3] if self.by_priority else self._fifo[0]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3] if self.by_priority else self._fifo.popleft()
-
-    def remove(self, request: Request) -> None:
-        if self.by_priority:
-            self._heap = [e for e in self._heap if e[3] is not request]
-            heapq.heapify(self._heap)
-        else:
-            self._fifo.remove(request)
 
 
 @dataclass
@@ -96,8 +54,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens
-        self.waiting = WaitingQueue(policy)
+        self.waiting = make_policy(policy)
         self.running: list[Request] = []
+        self.running_per_group: Counter = Counter()  # running requests per Request.group_key
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
@@ -109,6 +68,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self._share_slots()
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -146,6 +106,7 @@ class Scheduler:
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self.running_per_group[request.group_key] += 1
             self._plan(out, request, n)
             budget -= n
         return out
@@ -162,20 +123,42 @@ class Scheduler:
 
     def _pick_victim(self, first_unscheduled: int) -> Request:
         # Only requests not yet planned this step: their blocks are not in the batch.
-        candidates = self.running[first_unscheduled:]
-        if self.waiting.by_priority:
-            return max(candidates, key=Request.sort_key)
-        return candidates[-1]
+        return self.waiting.pick_victim(self.running[first_unscheduled:])
 
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
-        self.blocks.free(request)
+    def _share_slots(self) -> None:
+        """A waiting request whose API request has nothing running goes first; if every
+        slot is taken, the API request holding the most slots (a fan-out of n > 1 or
+        many prompts) gives its newest one back. So a newcomer starts this step instead
+        of after a whole fan-out; the sequence that gave way is recomputed later, mostly
+        from the prefix cache."""
+        if not len(self.waiting):
+            return
+        newcomer = self.waiting.promote_newcomer(self.running_per_group)
+        if newcomer is None or len(self.running) < self.max_num_seqs:
+            return
+        group, count = self.running_per_group.most_common(1)[0]
+        if count < 2:
+            return  # every running request is alone: plain first come, first served
+        victim = next(r for r in reversed(self.running) if r.group_key == group)
+        self._preempt(victim, behind_head=True)
+
+    def _preempt(self, request: Request, behind_head: bool = False) -> None:
+        self._stop_running(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         if not request.prompt_logprobs_done:
             request.prompt_logprobs_parts.clear()
-        self.waiting.add_front(request)
+        self.waiting.add_preempted(request, behind_head)
         self.num_preemptions += 1
+
+    def _stop_running(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.free(request)
+        left = self.running_per_group[request.group_key] - 1
+        if left:
+            self.running_per_group[request.group_key] = left
+        else:
+            del self.running_per_group[request.group_key]
 
     def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
         """Advance every planned request; append `sampled` (one per `out.sampling`).
@@ -193,8 +176,7 @@ class Scheduler:
             # Publish before freeing: a finished request's blocks are worth reusing too.
             blocks.cache_full_blocks(request)
             if request.status == RequestStatus.FINISHED:
-                self.running.remove(request)
-                blocks.free(request)
+                self._stop_running(request)
         return out.sampling
 
     def _check_stop(self, request: Request, token: int) -> bool:
@@ -219,8 +201,7 @@ class Scheduler:
     def finish_aborted(self, request: Request) -> None:
         """Drop a request wherever it is and free its blocks."""
         if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-            self.blocks.free(request)
+            self._stop_running(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED

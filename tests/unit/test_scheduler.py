@@ -17,6 +17,7 @@ def make_request(
     priority: int = 0,
     arrival: float = 0.0,
     prompt: list[int] | None = None,
+    group: int = 0,
     **kw,
 ) -> Request:
     params = SamplingParams(max_tokens=max_tokens, **kw)
@@ -24,7 +25,8 @@ def make_request(
         seed = sum(map(ord, request_id))
         prompt = [(seed * 7 + i * 13) % 50 for i in range(prompt_len)]
     return Request(
-        EngineCoreRequest(request_id, prompt, params, arrival, priority=priority), frozenset([EOS])
+        EngineCoreRequest(request_id, prompt, params, arrival, priority=priority, group=group),
+        frozenset([EOS]),
     )
 
 
@@ -196,3 +198,37 @@ def test_a_request_finishing_in_its_prefill_step_still_publishes_its_blocks():
     out = s.schedule()
     assert plan(out) == {"again": 1}  # 12 of 13 tokens from the prefix cache
     assert s.blocks.prefix_cache_hits == 12
+
+
+def test_sequences_of_one_request_take_turns_with_other_requests_at_admission():
+    s = make_scheduler(budget=64, max_seqs=3)
+    for i in range(6):
+        s.add(make_request(f"fan{i}", 4, group=1))
+    s.add(make_request("alone", 4))
+    # The fan-out's lane and the newcomer's lane alternate: the newcomer is second.
+    assert list(plan(step(s))) == ["fan0", "alone", "fan1"]
+
+
+def test_a_fan_out_holding_every_slot_gives_one_back_to_a_newcomer_at_once():
+    s = make_scheduler(budget=64, max_seqs=4)
+    for i in range(8):
+        s.add(make_request(f"fan{i}", 4, max_tokens=50, group=7))
+    step(s)
+    assert len(s.running) == 4
+    s.add(make_request("late", 4, max_tokens=50))
+    out = step(s)
+    assert "late" in plan(out)  # the very next step, not after a fan-out sequence finishes
+    assert s.num_preemptions == 1
+    assert sum(r.group_key == "late" for r in s.running) == 1
+    # The sequence that gave way waits first in its lane; other lanes' order is unchanged.
+    assert s.waiting.peek().request_id == "fan3"
+
+
+def test_requests_that_run_alone_are_never_preempted_to_share_slots():
+    s = make_scheduler(budget=64, max_seqs=2)
+    s.add(make_request("a", 4, max_tokens=50))
+    s.add(make_request("b", 4, max_tokens=50))
+    step(s)
+    s.add(make_request("c", 4, max_tokens=50))
+    assert set(plan(step(s))) == {"a", "b"}
+    assert s.num_preemptions == 0
