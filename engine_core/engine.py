@@ -20,6 +20,7 @@ from protocol.messages import (
     ITERATION_TOKEN_BUCKETS,
     EngineCoreOutput,
     EngineCoreRequest,
+    FinishReason,
     SchedulerStats,
     error_output,
 )
@@ -83,7 +84,7 @@ class EngineCore:
             state = Request(request, self.eos_token_ids)
         except Exception as e:  # a bad request must never take the engine down
             logger.warning("request %s refused: %s", request.request_id, e)
-            return [error_output(request.request_id, str(e))]
+            return [error_output(request.request_id, str(e), FinishReason.REFUSED)]
         self.requests[request.request_id] = state
         self.scheduler.add(state)
         return []

@@ -7,6 +7,9 @@ import math
 from protocol.messages import EngineCoreRequest
 
 MAX_LOGIT_BIAS = 100.0
+# The frontend allows 256 characters of a client's id plus its own suffix; an id past
+# this is never a frontend's, and would be copied into every output of the request.
+MAX_REQUEST_ID_CHARS = 512
 
 
 def _token_range(field: str, ids: object, vocab_size: int) -> None:
@@ -25,6 +28,8 @@ def validate_request(request: EngineCoreRequest, vocab_size: int, max_logprobs: 
     if max_logprobs < 0:
         max_logprobs = vocab_size
     p = request.sampling_params
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id may be at most {MAX_REQUEST_ID_CHARS} characters long")
     if not request.prompt_token_ids:
         raise ValueError("prompt_token_ids must not be empty")
     _token_range("prompt_token_ids", request.prompt_token_ids, vocab_size)

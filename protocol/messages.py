@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -32,11 +32,12 @@ class FinishReason(enum.IntEnum):
     STOP = 0
     LENGTH = 1
     ABORT = 2
-    ERROR = 3
+    ERROR = 3  # the engine failed while serving the request
+    REFUSED = 4  # the engine would not take the request (its `error` says why): a 400
 
     @property
     def openai_name(self) -> str:
-        return ("stop", "length", "abort", "error")[self]
+        return ("stop", "length", "abort", "error", "error")[self]
 
 
 class SamplingParams(_Wire):
@@ -74,6 +75,9 @@ class EngineCoreRequest(_Wire):
     client_index: int = 0
     priority: int = 0
     data_parallel_rank: int | None = None
+    # The sequences of one API request (n > 1, several prompts) share a nonzero group,
+    # numbered by their API server (client_index): the engine takes turns between groups.
+    group: int = 0
 
 
 class Logprobs(_Wire):
@@ -139,9 +143,11 @@ class EngineCoreOutput(_Wire):
         return self.finish_reason is not None
 
 
-def error_output(request_id: str, message: str) -> EngineCoreOutput:
-    """The last output of a request the engine could not serve."""
-    return EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR, error=message)
+def error_output(
+    request_id: str, message: str, reason: FinishReason = FinishReason.ERROR
+) -> EngineCoreOutput:
+    """The last output of a request the engine could not serve (or refused)."""
+    return EngineCoreOutput(request_id, [], finish_reason=reason, error=message)
 
 
 class UtilityCall(_Wire):

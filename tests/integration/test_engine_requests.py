@@ -110,7 +110,7 @@ BAD_PARAMS = [
 )
 def test_invalid_params_get_an_error_output_and_the_engine_keeps_serving(engine, field, params):
     (out,) = engine.add_request(request("bad", [1, 2, 3], params))
-    assert out.finish_reason == FinishReason.ERROR
+    assert out.finish_reason == FinishReason.REFUSED
     assert out.request_id == "bad"
     assert field in out.error
     assert not engine.has_unfinished_requests()
@@ -124,7 +124,7 @@ def test_invalid_params_get_an_error_output_and_the_engine_keeps_serving(engine,
 )
 def test_bad_prompts_get_an_error_output(engine, prompt, needle):
     (out,) = engine.add_request(request("bad-prompt", prompt, greedy(8)))
-    assert out.finish_reason == FinishReason.ERROR
+    assert out.finish_reason == FinishReason.REFUSED
     assert needle in out.error
 
 
@@ -134,7 +134,7 @@ def test_request_that_can_never_fit_the_kv_cache_gets_an_error_not_a_hang(tiny_m
         EngineConfig(model=str(tiny_model("llama")), kv_cache_memory_bytes=5 * block_bytes)
     )
     (out,) = engine.add_request(request("huge", [7] * 60, greedy(10)))
-    assert out.finish_reason == FinishReason.ERROR
+    assert out.finish_reason == FinishReason.REFUSED
     assert "KV blocks" in out.error
     # 4 usable blocks hold 64 tokens: 60 + 5 - 1 fits exactly.
     assert engine.add_request(request("fits", [7] * 60, greedy(5))) == []
@@ -144,7 +144,7 @@ def test_request_that_can_never_fit_the_kv_cache_gets_an_error_not_a_hang(tiny_m
 def test_duplicate_request_id_is_refused_while_the_first_is_alive(engine):
     assert engine.add_request(request("dup", [1, 2, 3], greedy(3))) == []
     (out,) = engine.add_request(request("dup", [4, 5, 6], greedy(3)))
-    assert out.finish_reason == FinishReason.ERROR
+    assert out.finish_reason == FinishReason.REFUSED
     assert "already" in out.error
     outputs = run_to_completion(engine)
     assert len(outputs["dup"]) == 3
