@@ -25,7 +25,7 @@ from zmq.utils.monitor import recv_monitor_message
 from engine_core.process_config import EngineProcConfig
 from protocol import codec
 from protocol.handshake import EngineHello, EnginePlan, decode_handshake, encode_handshake
-from protocol.lifecycle import die_with_parent, name_process, pin_to_cpus
+from protocol.lifecycle import die_with_parent, name_process, pin_to_cpus, release_free_memory
 from protocol.logs import setup_logging
 from protocol.messages import (
     ENGINE_CORE_DEAD,
@@ -50,6 +50,7 @@ log = logging.getLogger("zserve.engine")
 # requests here, reaches a server as soon as it changes (see `_LOAD`).
 STATS_INTERVAL_S = 0.1
 HEARTBEAT_S = 1.0
+RELEASE_MEMORY_S = 2.0  # at most this often, and only once idle
 
 UTILITY_METHODS = ("reset_prefix_cache", "make_stats", "ping")
 
@@ -395,14 +396,22 @@ class EngineCoreProc:
         # even once we go idle (the final "all done" is the one that matters most).
         told: list[tuple | None] = [None] * n_clients
         self.stats: SchedulerStats = self._make_stats()
+        release_due, released_at = False, 0.0
         while not self.stop.is_set():
             settled = sum(self.settled)
             # Block while idle; the timeout keeps stats and heartbeats flowing.
             if not engine.has_unfinished_requests():
+                if release_due and time.monotonic() - released_at >= RELEASE_MEMORY_S:
+                    # The step path keeps freed memory for the next step (model_runner's
+                    # keep_freed_memory); idle, a burst's peak goes back to the OS.
+                    release_free_memory()
+                    release_due, released_at = False, time.monotonic()
                 try:
                     self.handle_input(*self.input_queue.get(timeout=STATS_INTERVAL_S))
                 except queue.Empty:
                     pass
+            else:
+                release_due = True
             while True:
                 try:
                     self.handle_input(*self.input_queue.get_nowait())

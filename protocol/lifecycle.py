@@ -37,3 +37,15 @@ def pin_to_cpus(cpus: list[int] | None) -> None:
     """Keep this process (and the threads it starts later) on these CPUs."""
     if cpus:
         os.sched_setaffinity(0, cpus)
+
+
+def release_free_memory() -> bool:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim), e.g. after a
+    large request: without it a process keeps the peak of its heap for good. Returns
+    False where the C library has no malloc_trim."""
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
