@@ -14,6 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from frontend.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
+from frontend.http_limits import BodyLimitMiddleware
 from frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontend.middleware import APIKeyMiddleware, RequestIdMiddleware, add_user_middleware
 from frontend.openapi import build_openapi
@@ -48,7 +49,7 @@ async def list_models(ctx: ServingContext, request: Request) -> Response:
             "object": "model",
             "created": 0,
             "owned_by": "zserve",
-            "root": ctx.config.model_dir,
+            "root": name,  # never the model's path on this machine
             "parent": None,
             "max_model_len": ctx.max_model_len,
         }
@@ -186,4 +187,6 @@ def build_app(ctx: ServingContext) -> Starlette:
             allow_headers=config.allowed_headers,
             allow_credentials=config.allow_credentials,
         )
+    # Outermost: an oversized body is refused before anything else looks at it.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_body_bytes)
     return app

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from frontend.limits import RequestLimits
 from protocol.sockets import CurveKeys
 
 
@@ -49,6 +50,10 @@ class FrontendConfig:
     scheduling_policy: str = "fcfs"
     shutdown_timeout: float = 0.0
     uvicorn_log_level: str = "warning"
+    # Hardening: what one client may send, and where long texts are tokenized.
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    tokenizer_pool_size: int = 1  # worker processes per API server; 0: a thread instead
+    tokenize_timeout_s: float = 60.0
 
 
 @dataclass

@@ -121,10 +121,13 @@ class EngineClient:
         ]
         self.requests: dict[str, RequestStream] = {}
         self._rotate = itertools.count()
+        self._groups = itertools.count(1)
         self._utility_ids = itertools.count(1)
         self._utility_waiters: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
         self.on_engine_dead: Callable[[EngineState], None] | None = None
+        self.on_loop_lag: Callable[[float], None] | None = None
+        self.loop_lag_s = 0.0
         self.dead = False
 
     # --- start-up -----------------------------------------------------------------
@@ -210,6 +213,10 @@ class EngineClient:
         if not by_client:  # no per-server split reported: the engine's whole load
             return stats.num_waiting + stats.num_running
         return others_requests(by_client, self.client_index)
+
+    def new_group(self) -> int:
+        """A group number for the sequences of one API request (EngineCoreRequest.group)."""
+        return next(self._groups)
 
     def add_request(
         self, request: EngineCoreRequest, engine: EngineState, event: asyncio.Event | None = None
@@ -314,14 +321,27 @@ class EngineClient:
 
     async def _watchdog(self) -> None:
         """An engine is dead when it falls silent (every engine sends a heartbeat each
-        second) or hangs: alive, with work, but its step counter stuck."""
+        second) or hangs: alive, with work, but its step counter stuck.
+
+        Silence is measured in time this loop actually ran: while the loop itself was
+        stalled (a long synchronous call), nothing could be read from any engine, so that
+        time counts against no engine. `loop_lag_s` is the last stall measured."""
         timeout = self.config.heartbeat_timeout_s
+        interval = min(1.0, timeout / 4)
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(min(1.0, timeout / 4))
+            await asyncio.sleep(interval)
             now = time.monotonic()
+            lag = max(0.0, now - last - interval)
+            last = now
+            self.loop_lag_s = lag
+            if self.on_loop_lag is not None:
+                self.on_loop_lag(lag)
             for engine in self.engines:
                 if not engine.alive:
                     continue
+                engine.last_seen += lag
+                engine.steps_changed_at += lag
                 silent = now - engine.last_seen
                 s = engine.stats
                 busy = s.num_running or s.num_waiting or engine.in_flight

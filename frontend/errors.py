@@ -15,9 +15,11 @@ _TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     415: "UnsupportedMediaTypeError",
     422: "UnprocessableEntityError",
+    431: "RequestHeaderFieldsTooLargeError",
     500: "InternalServerError",
     501: "NotImplementedError",
     503: "ServiceUnavailableError",
@@ -79,6 +81,8 @@ async def handle_http_exception(request: Request, exc) -> Response:
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
-    rid = request.headers.get("x-request-id", "-")
-    log.exception("internal error on %s (request id %s)", request.url.path, rid)
-    return error_response(f"internal server error ({type(exc).__name__})", 500)
+    """Whatever went wrong is logged with the request id; the client learns nothing of
+    the code that failed."""
+    rid = request.headers.get("x-request-id", "-")[:256]
+    log.exception("internal error on %s (request id %s)", request.url.path[:256], rid)
+    return error_response("internal server error", 500)

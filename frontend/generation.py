@@ -147,6 +147,7 @@ class Generation:
         client = self.client
         engine = client.pick_engine(self.engine_rank)
         self.engine = engine
+        group = client.new_group() if len(self.choices) > 1 else 0
         try:
             for choice in self.choices:
                 request = EngineCoreRequest(
@@ -156,6 +157,7 @@ class Generation:
                     arrival_time=self.arrival_time,
                     priority=self.priority,
                     data_parallel_rank=self.engine_rank,
+                    group=group,
                 )
                 choice.stream = client.add_request(request, engine, self.event)
         except Exception:
@@ -202,6 +204,9 @@ class Generation:
 
     def _apply(self, choice: Choice, out) -> ChoiceDelta:
         """Hot path: one engine output of one choice → its delta."""
+        if out.finish_reason is FinishReason.REFUSED:
+            self.abort()
+            raise APIError(out.error or "the engine refused this request")
         if out.finish_reason is FinishReason.ERROR:
             self.abort()
             raise APIError(

@@ -17,6 +17,7 @@ import time
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -130,6 +131,15 @@ class Metrics:
             "API-server processes restarted by the supervisor.",
             registry=registry,
         )
+        # One series per API server (each writes only its own label); "live": a
+        # restarted server's old process no longer counts.
+        self.loop_lag = Gauge(
+            p + "api_server_event_loop_lag_seconds",
+            "How late the API server's event loop last woke up: the time it spent blocked.",
+            ["api_server"],
+            registry=registry,
+            multiprocess_mode="livesum",
+        ).labels(str(client.client_index))
         # Every series exists from the start (at zero), as dashboards expect.
         for metric in (
             self.ttft,

@@ -23,7 +23,7 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str, root_path: str = "") -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
         self.root_path = root_path
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -39,7 +39,9 @@ class APIKeyMiddleware:
         given = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
-                given = value
+                scheme, _, token = value.partition(b" ")
+                if scheme.lower() == b"bearer":  # RFC 7235: the scheme is case-insensitive
+                    given = token.strip()
                 break
         if not hmac.compare_digest(given, self.expected):
             response = error_response(

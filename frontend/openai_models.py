@@ -28,19 +28,23 @@ _STRUCTURED_OUTPUT_KEYS = (
 )
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _Model(BaseModel):
+    """Unknown keys are accepted and ignored (as vLLM does); no float may be NaN or
+    infinite, whatever spelling the client uses ("NaN", "inf", 1e999)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(_Model):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(_Model):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="allow")
-
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1)  # at most --max-sequences-per-request (limits.py)
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
@@ -165,21 +169,18 @@ class CompletionRequest(SamplingFields):
         return self
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class TextPart(_Model):
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatMessage(_Model):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ResponseFormat(_Model):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: dict[str, Any] | None = None
 
@@ -223,8 +224,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class TokenizeRequest(_Model):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -241,7 +241,6 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class DetokenizeRequest(_Model):
     model: str | None = None
     tokens: list[int]

@@ -31,6 +31,15 @@ class Renderer:
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = [self.tokenizer.eos_token_id]
         self.special_ids = set(self.tokenizer.all_special_ids)
+        # No token stands for more characters than its longest vocabulary entry (byte-level
+        # and metaspace entries spell their text; byte-fallback entries spell more), so a
+        # text longer than max_model_len times this cannot fit the context.
+        vocab = self.raw.get_vocab(with_added_tokens=True)
+        self.max_token_chars = max((len(t) for t in vocab), default=1) or 1
+
+    def serialized(self) -> str:
+        """The tokenizer as configured here, for worker processes (tokenizer_pool.py)."""
+        return self.raw.to_str()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.raw.encode(text, add_special_tokens=add_special_tokens).ids
@@ -42,6 +51,10 @@ class Renderer:
         """The text one token stands for on its own (for logprobs)."""
         return self.raw.decode([token_id], skip_special_tokens=False)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return self.tokenizer.chat_template is not None
+
     def render_chat(
         self,
         messages: list[dict[str, Any]],
@@ -51,10 +64,6 @@ class Renderer:
         chat_template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        if self.tokenizer.chat_template is None and chat_template is None:
-            raise ValueError(
-                "this model has no chat template; pass --chat-template or use /v1/completions"
-            )
         return self.tokenizer.apply_chat_template(
             messages,
             tokenize=False,

@@ -16,6 +16,15 @@ def generation_defaults(generation_config: dict) -> dict:
     return {k: generation_config[k] for k in _DEFAULT_KEYS if k in generation_config}
 
 
+def context_length_error(num_prompt_tokens: int, max_model_len: int) -> APIError:
+    return APIError(
+        f"This model's maximum context length is {max_model_len} tokens. However, your "
+        f"prompt has {num_prompt_tokens} tokens; the prompt must be shorter than the "
+        f"context length.",
+        param="input_tokens",
+    )
+
+
 def check_prompt_length(
     num_prompt_tokens: int, max_tokens: int, max_model_len: int, kv_limit: int | None = None
 ) -> None:
@@ -27,12 +36,7 @@ def check_prompt_length(
             param="prompt",
         )
     if num_prompt_tokens >= max_model_len:
-        raise APIError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {num_prompt_tokens} tokens; the prompt must be shorter than the "
-            f"context length.",
-            param="input_tokens",
-        )
+        raise context_length_error(num_prompt_tokens, max_model_len)
     if num_prompt_tokens + max_tokens > max_model_len:
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
@@ -49,12 +53,13 @@ def check_prompt_length(
         )
 
 
-def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: keep the last `keep` tokens (-1: max_model_len)."""
+def truncation(keep: int | None, max_model_len: int) -> int | None:
+    """vLLM's truncate_prompt_tokens as a count of last tokens to keep (-1:
+    max_model_len); None: no truncation."""
     if keep is None:
-        return ids
+        return None
     if keep == -1:
-        keep = max_model_len
+        return max_model_len
     if keep > max_model_len:
         raise APIError(
             f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
@@ -66,7 +71,7 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
             "truncate_prompt_tokens 0 would leave an empty prompt; send -1 or a positive count",
             param="truncate_prompt_tokens",
         )
-    return ids[-keep:]
+    return keep
 
 
 def check_token_ids(ids, vocab_size: int, field: str) -> None:
@@ -100,10 +105,12 @@ def build_sampling_params(
     vocab_size: int,
     max_logprobs: int,
     echo_logprobs: int | None = None,
+    logprobs_field: str = "logprobs",
 ) -> SamplingParams:
     """`echo_logprobs`: prompt logprobs the response needs although the request did not
-    ask for them (completions' echo with logprobs)."""
-    check_logprobs(logprobs, "logprobs", max_logprobs)
+    ask for them (completions' echo with logprobs); `logprobs_field` names the field
+    `logprobs` came from (chat's top_logprobs)."""
+    check_logprobs(logprobs, logprobs_field, max_logprobs)
     check_logprobs(req.prompt_logprobs, "prompt_logprobs", max_logprobs)
     if req.min_tokens > max_tokens:
         raise APIError(

@@ -19,11 +19,13 @@ from frontend.app import build_app
 from frontend.config import APIServerConfig
 from frontend.engine_client import ClientConfig, EngineClient
 from frontend.errors import APIError
+from frontend.http_limits import guarded_protocol
 from frontend.metrics import Metrics
 from frontend.renderer import Renderer
 from frontend.serving import ServingContext
 from frontend.stats_logger import log_stats_forever
-from protocol.lifecycle import die_with_parent, name_process, pin_to_cpus
+from frontend.tokenizer_pool import TokenizerPool
+from protocol.lifecycle import die_with_parent, name_process, pin_to_cpus, release_free_memory
 from protocol.logs import setup_logging
 from protocol.sockets import is_ipv6
 
@@ -69,7 +71,16 @@ class APIServer:
             fc.max_num_queued_reqs,
             fc.max_num_queued_tokens,
         )
-        self.ctx = ServingContext(fc, self.client, self.renderer, self.admission)
+        self.tokenizers = (
+            TokenizerPool(
+                self.renderer.serialized(), fc.tokenizer_pool_size, timeout_s=fc.tokenize_timeout_s
+            )
+            if fc.tokenizer_pool_size > 0
+            else None
+        )
+        self.ctx = ServingContext(
+            fc, self.client, self.renderer, self.admission, tokenizers=self.tokenizers
+        )
         self.server: uvicorn.Server | None = None
         self.tasks: list[asyncio.Task] = []
         self.draining: asyncio.Task | None = None
@@ -103,13 +114,15 @@ class APIServer:
         self.ctx.metrics = Metrics(
             fc.metrics_prefix, self.ctx.model_name, self.client, self.client.max_model_len
         )
+        self.client.on_loop_lag = self.ctx.metrics.loop_lag.set
         app = build_app(self.ctx)
         if not fc.disable_log_stats and self.cfg.client_index == 0:
             self.tasks.append(asyncio.create_task(log_stats_forever(self.client)))
+        self.tasks.append(asyncio.create_task(release_memory_forever(self.ctx)))
         config = uvicorn.Config(
             app,
             loop="none",
-            http="httptools",
+            http=guarded_protocol(fc.limits),
             lifespan="off",
             log_level=fc.uvicorn_log_level,
             access_log=False,
@@ -133,6 +146,10 @@ class APIServer:
             await self.server.serve(sockets=[sock])
         finally:
             sock.close()
+            for task in self.tasks:
+                task.cancel()
+            if self.tokenizers is not None:
+                self.tokenizers.close()
             self.client.close()
 
     def shutdown(self) -> None:
@@ -167,6 +184,16 @@ class APIServer:
                 await asyncio.sleep(0.02)
         if self.server is not None:
             self.server.should_exit = True
+
+
+async def release_memory_forever(ctx: ServingContext, interval_s: float = 2.0) -> None:
+    """After a large request (a big body, a wide fan-out) the C heap keeps its peak;
+    give the free pages back once such a request is over."""
+    while True:
+        await asyncio.sleep(interval_s)
+        if ctx.large_request_seen and not ctx.active:
+            ctx.large_request_seen = False
+            release_free_memory()
 
 
 class _Server(uvicorn.Server):

@@ -4,7 +4,6 @@ engine pinning, tokenization off the event loop, and the generation life cycle."
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import re
@@ -13,9 +12,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 from urllib.parse import quote
 
+import msgspec
 import orjson
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from frontend import sse
@@ -24,19 +24,22 @@ from frontend.config import FrontendConfig
 from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.errors import APIError
 from frontend.generation import Choice, Generation
+from frontend.limits import check_fan_out, check_prompt_chars, check_request_id, check_stop_strings
 from frontend.metrics import Metrics
 from frontend.openai_models import INT64_MAX, INT64_MIN, SamplingFields
 from frontend.renderer import Renderer
-from frontend.sampling import generation_defaults
+from frontend.sampling import context_length_error, generation_defaults
+from frontend.tokenizer_pool import INLINE_CHARS, TokenizerPool
 from protocol.messages import SamplingParams
 
 log = logging.getLogger("zserve.api")
 
 M = TypeVar("M", bound=BaseModel)
 
-# Prompts longer than this many characters are tokenized in a worker thread, so a
-# huge prompt never stalls every other stream on this event loop.
-OFFLOAD_CHARS = 4096
+_decode_json = msgspec.json.Decoder().decode
+# A request this large (body bytes, or sequences) leaves the C heap at a new peak.
+LARGE_BODY_BYTES = 256 * 1024
+LARGE_FAN_OUT = 64
 
 
 class ServingContext:
@@ -49,12 +52,15 @@ class ServingContext:
         renderer: Renderer,
         admission: Admission,
         metrics: Metrics | None = None,
+        tokenizers: TokenizerPool | None = None,
     ) -> None:
         self.config = config
+        self.limits = config.limits
         self.client = client
         self.renderer = renderer
         self.admission = admission
         self.metrics = metrics
+        self.tokenizers = tokenizers
         self.model_name = config.served_model_names[0]
         self.defaults = generation_defaults(renderer.generation_config)
         self.client_index = client.client_index
@@ -62,6 +68,7 @@ class ServingContext:
         self.in_flight = 0  # HTTP requests being handled, any route
         self.active: set[Generation] = set()  # started and not yet finished
         self.draining = False
+        self.large_request_seen = False  # the heap may hold its peak: release it (server.py)
 
     @property
     def max_model_len(self) -> int:
@@ -80,22 +87,29 @@ class ServingContext:
     # --- request parsing ----------------------------------------------------------
 
     async def json_body(self, request: Request) -> dict:
-        """The request body as a JSON object, or a 4xx saying what is wrong with it."""
+        """The request body as a JSON object, or a 4xx saying what is wrong with it.
+
+        One parser for every body: msgspec keeps integers of any size exact (a limit
+        check can then name the value the client sent) and refuses deep nesting."""
         content_type = request.headers.get("content-type", "")
         if content_type and "json" not in content_type.split(";")[0]:
             raise APIError(
                 f"unsupported Content-Type {content_type!r}; send application/json",
                 415,
             )
-        raw = await request.body()
         try:
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
+            raw = await request.body()
+        except ClientDisconnect:
+            log.info("a client went away while sending its request to %s", request.url.path)
+            raise ClientDisconnected() from None
+        if len(raw) > LARGE_BODY_BYTES:
+            self.large_request_seen = True
+        try:
+            data = _decode_json(raw)
+        except msgspec.DecodeError as e:
             raise APIError(f"the request body is not valid JSON: {e}") from None
-        if _LONG_NUMBER.search(raw):
-            # orjson turns integers beyond 64 bits into floats; the stdlib keeps them
-            # exact, so a limit check can name the value the client sent.
-            data = json.loads(raw)
+        except RecursionError:
+            raise APIError("the request body is nested too deeply to be parsed") from None
         if not isinstance(data, dict):
             raise APIError("the request body must be a JSON object")
         return data
@@ -107,13 +121,38 @@ class ServingContext:
         except ValidationError as e:
             raise validation_error(e) from None
 
+    def check_limits(self, body: SamplingFields, num_prompts: int) -> None:
+        """The size and count limits every generation request shares."""
+        limits = self.limits
+        if body.request_id is not None:
+            check_request_id(body.request_id, "request_id", limits)
+        check_stop_strings(body.stop_strings, limits)
+        check_fan_out(num_prompts, body.n, limits)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters beyond which no text can fit the context (--max-prompt-chars)."""
+        if self.limits.max_prompt_chars is not None:
+            return self.limits.max_prompt_chars
+        return self.max_model_len * self.renderer.max_token_chars
+
+    def check_text_length(self, text: str, field: str, truncating: bool = False) -> None:
+        """A text that cannot fit the context is refused before tokenization; with
+        truncate_prompt_tokens it may be longer (its start is cut), up to the body limit."""
+        if not truncating:
+            check_prompt_chars(len(text), self.max_prompt_chars, field)
+
     def resolve_model(self, name: str | None) -> str:
         if not name or name in self.config.served_model_names:
             return self.model_name
         raise APIError(f"The model `{name}` does not exist.", 404, param="model")
 
     def request_id(self, request: Request, body_id: str | None) -> str:
-        return request.headers.get("x-request-id") or body_id or uuid.uuid4().hex
+        header = request.headers.get("x-request-id")
+        if header is not None:
+            check_request_id(header, "X-Request-Id", self.limits)
+            return header
+        return body_id or uuid.uuid4().hex
 
     def engine_rank(self, request: Request) -> int | None:
         value = request.headers.get("x-data-parallel-rank")
@@ -154,10 +193,31 @@ class ServingContext:
             )
         return body_priority
 
-    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        if len(text) > OFFLOAD_CHARS:
-            return await asyncio.to_thread(self.renderer.encode, text, add_special_tokens)
-        return self.renderer.encode(text, add_special_tokens)
+    async def encode(
+        self, text: str, add_special_tokens: bool, keep_last: int | None = None
+    ) -> list[int]:
+        """A prompt's token ids; long texts go to the tokenizer pool (tokenizer_pool.py).
+
+        `keep_last`: only the last n ids (truncate_prompt_tokens). Without it a prompt
+        that does not fit the context is a 400, and a huge one's ids are never listed
+        on this loop."""
+        at_most = None if keep_last else self.max_model_len - 1
+        if len(text) > INLINE_CHARS and self.tokenizers is not None:
+            count, ids = await self.tokenizers.encode(text, add_special_tokens, at_most, keep_last)
+        else:
+            if len(text) > INLINE_CHARS:
+                ids = await asyncio.to_thread(self.renderer.encode, text, add_special_tokens)
+            else:
+                ids = self.renderer.encode(text, add_special_tokens)
+            count = len(ids)
+        if at_most is not None and count > at_most:
+            raise context_length_error(count, self.max_model_len)
+        return ids[-keep_last:] if keep_last else ids
+
+    async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) > INLINE_CHARS and self.tokenizers is not None:
+            return await self.tokenizers.decode(ids, skip_special_tokens)
+        return self.renderer.decode(ids, skip_special_tokens)
 
     async def render_chat(self, **kwargs) -> str:
         return await asyncio.to_thread(self.renderer.render_chat, **kwargs)
@@ -228,6 +288,8 @@ class ServingContext:
             return
         generation.done = True
         self.active.discard(generation)
+        if len(generation.choices) > LARGE_FAN_OUT:
+            self.large_request_seen = True
         generation.abort()
         waiting = sum(len(c.prompt_ids) for c in generation.choices if not c.first_token_time)
         self.admission.release(len(generation.choices), waiting)
@@ -268,9 +330,9 @@ class ServingContext:
             except APIError as e:
                 log.error("request %s failed mid-stream: %s", generation.request_id, e.message)
                 yield sse.event(e.body())
-            except Exception as e:
+            except Exception:
                 log.exception("request %s failed mid-stream", generation.request_id)
-                yield sse.event(APIError(f"internal server error ({type(e).__name__})", 500).body())
+                yield sse.event(APIError("internal server error", 500).body())
             finally:
                 self.finish(generation)
             yield sse.DONE
@@ -365,7 +427,6 @@ def validation_error(e: ValidationError) -> APIError:
     return APIError(f"{detail} (type={err.get('type')})", 400, param=loc or None)
 
 
-_LONG_NUMBER = re.compile(rb"\d{19}")
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*)$")
 
 

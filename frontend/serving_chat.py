@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from jinja2 import TemplateError
@@ -10,11 +11,14 @@ from starlette.responses import Response
 
 from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
+from frontend.limits import check_message_count
 from frontend.logprobs import chat_logprobs, prompt_logprobs
 from frontend.openai_models import ChatCompletionRequest, ChatMessage
-from frontend.sampling import build_sampling_params, check_prompt_length, truncate_prompt
+from frontend.sampling import build_sampling_params, check_prompt_length, truncation
 from frontend.serving import ServingContext, StreamingView
 from frontend.usage import usage
+
+log = logging.getLogger("zserve.api")
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -48,6 +52,7 @@ async def render_messages(
     continue_final_message: bool,
     chat_template: str | None = None,
     chat_template_kwargs: dict | None = None,
+    truncating: bool = False,
 ) -> str:
     """The conversation as prompt text, through the model's (or a trusted request's)
     chat template; any failure of the template is the request's fault: a 400."""
@@ -68,7 +73,17 @@ async def render_messages(
             f"request field of that name",
             param="chat_template_kwargs",
         )
+    if chat_template is None and not ctx.renderer.has_chat_template:
+        raise APIError(
+            "messages: this model has no chat template; start the server with "
+            "--chat-template or use /v1/completions",
+            param="messages",
+        )
+    check_message_count(len(messages), ctx.limits)
     dicts = message_dicts(messages)
+    # The template copies every message's text into the prompt: refuse a conversation
+    # that cannot fit before rendering it, and the rendered text before tokenizing it.
+    ctx.check_text_length("".join(d["content"] for d in dicts), "messages", truncating)
     try:
         text = await ctx.render_chat(
             messages=dicts,
@@ -77,15 +92,26 @@ async def render_messages(
             chat_template=chat_template,
             template_kwargs=kwargs,
         )
-    except TemplateError as e:
-        raise APIError(f"messages: the chat template failed: {e}", param="messages") from None
     except Exception as e:  # a template only fails on what the request put into it
-        raise APIError(
-            f"messages: the chat template failed: {type(e).__name__}: {e}", param="messages"
-        ) from None
+        raise template_error(e) from None
     if not isinstance(text, str):
         raise APIError("chat_template_kwargs: the chat template did not render text")
+    ctx.check_text_length(text, "messages", truncating)
     return text
+
+
+def template_error(e: Exception) -> APIError:
+    """A failed chat template as a 400. A template's own `raise_exception(...)` message
+    speaks to the client (e.g. "roles must alternate"); the text of any other failure
+    comes from third-party code and only reaches the log."""
+    if type(e) is TemplateError and e.message:
+        return APIError(f"messages: {e.message[:300]}", param="messages")
+    log.warning("the chat template failed: %s: %s", type(e).__name__, e)
+    return APIError(
+        "messages: the chat template could not render this conversation (check the roles, "
+        "order and fields of the messages, and chat_template_kwargs)",
+        param="messages",
+    )
 
 
 _RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -114,9 +140,10 @@ async def render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> lis
         continue_final_message=body.continue_final_message,
         chat_template=body.chat_template,
         chat_template_kwargs=body.chat_template_kwargs,
+        truncating=body.truncate_prompt_tokens is not None,
     )
-    ids = await ctx.encode(text, body.add_special_tokens)
-    return truncate_prompt(ids, body.truncate_prompt_tokens, ctx.max_model_len)
+    keep = truncation(body.truncate_prompt_tokens, ctx.max_model_len)
+    return await ctx.encode(text, body.add_special_tokens, keep)
 
 
 def check_unsupported(body: ChatCompletionRequest) -> None:
@@ -139,6 +166,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     body = await ctx.parse(request, ChatCompletionRequest)
     model = ctx.resolve_model(body.model)
     check_unsupported(body)
+    ctx.check_limits(body, 1)
     request_id = ctx.request_id(request, body.request_id)
     prompt_ids = await render_prompt(ctx, body)
     max_tokens = body.effective_max_tokens
@@ -152,6 +180,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         defaults=ctx.defaults,
         vocab_size=ctx.renderer.vocab_size,
         max_logprobs=ctx.config.max_logprobs,
+        logprobs_field="top_logprobs",
     )
     check_prompt_length(len(prompt_ids), max_tokens, ctx.max_model_len, ctx.max_request_tokens)
     generation = ctx.generation(request, body, request_id, [prompt_ids], params)

@@ -9,37 +9,45 @@ from starlette.responses import Response
 
 from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
+from frontend.limits import check_prompt_count
 from frontend.logprobs import CompletionLogprobs, prompt_logprobs
 from frontend.openai_models import CompletionRequest
 from frontend.sampling import (
     build_sampling_params,
     check_prompt_length,
     check_token_ids,
-    truncate_prompt,
+    truncation,
 )
 from frontend.serving import ServingContext, StreamingView
 from frontend.usage import usage
 
 
 async def tokenize_prompts(ctx: ServingContext, body: CompletionRequest) -> list[list[int]]:
+    """The prompts as token ids, each cut to its last truncate_prompt_tokens."""
     prompt = body.prompt
     if prompt is None or prompt == "" or prompt == []:
         raise APIError(
             "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
         )
-    if isinstance(prompt, str):
-        return [await ctx.encode(prompt, body.add_special_tokens)]
-    if all(isinstance(p, int) for p in prompt):
-        prompts = [list(prompt)]
-    elif all(isinstance(p, str) for p in prompt):
-        return [await ctx.encode(p, body.add_special_tokens) for p in prompt]
-    else:
-        prompts = [list(p) for p in prompt]
+    keep = truncation(body.truncate_prompt_tokens, ctx.max_model_len)
+    if isinstance(prompt, str) or isinstance(prompt[0], str):
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        for text in texts:
+            ctx.check_text_length(text, "prompt", truncating=keep is not None)
+        return [await ctx.encode(text, body.add_special_tokens, keep) for text in texts]
+    prompts = [list(prompt)] if isinstance(prompt[0], int) else [list(p) for p in prompt]
     for p in prompts:
         if not p:
             raise APIError("prompt: a token-id prompt may not be empty", param="prompt")
         check_token_ids(p, ctx.renderer.vocab_size, "prompt")
-    return prompts
+    return [p[-keep:] for p in prompts] if keep else prompts
+
+
+def num_prompts(body: CompletionRequest) -> int:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt)
+    return 1
 
 
 def prompt_texts(body: CompletionRequest) -> list[str | None]:
@@ -52,11 +60,11 @@ def prompt_texts(body: CompletionRequest) -> list[str | None]:
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
     body = await ctx.parse(request, CompletionRequest)
     model = ctx.resolve_model(body.model)
+    count = num_prompts(body)
+    check_prompt_count(count, ctx.limits)
+    ctx.check_limits(body, count)
     request_id = ctx.request_id(request, body.request_id)
-    prompts = [
-        truncate_prompt(p, body.truncate_prompt_tokens, ctx.max_model_len)
-        for p in await tokenize_prompts(ctx, body)
-    ]
+    prompts = await tokenize_prompts(ctx, body)
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
     # vLLM's echo with max_tokens 0: just the prompt. The engine still samples one
     # token (it computes the prompt logprobs on the way); the view drops it.

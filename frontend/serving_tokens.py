@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from frontend.openai_models import DetokenizeRequest, TokenizeRequest
 from frontend.sampling import check_token_ids
 from frontend.serving import ServingContext, json_response
 from frontend.serving_chat import render_messages
+from frontend.tokenizer_pool import INLINE_CHARS
 
 
 async def tokenize(ctx: ServingContext, request: Request) -> Response:
@@ -30,7 +32,22 @@ async def tokenize(ctx: ServingContext, request: Request) -> Response:
     else:
         text = body.prompt
         add_special = body.add_special_tokens is not False
-    ids = await ctx.encode(text, add_special)
+    if len(text) > INLINE_CHARS and ctx.tokenizers is not None:
+        # The worker writes the JSON lists: no per-token work on this loop.
+        count, tokens, strs = await ctx.tokenizers.tokenize_json(
+            text, add_special, body.return_token_strs
+        )
+        payload = b'{"count":%d,"max_model_len":%d,"tokens":%s,"token_strs":%s}' % (
+            count,
+            ctx.max_model_len,
+            tokens,
+            strs,
+        )
+        return Response(payload, media_type="application/json")
+    if len(text) > INLINE_CHARS:
+        ids = await asyncio.to_thread(ctx.renderer.encode, text, add_special)
+    else:
+        ids = ctx.renderer.encode(text, add_special)
     token_strs = (
         ctx.renderer.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     )
@@ -48,7 +65,7 @@ async def detokenize(ctx: ServingContext, request: Request) -> Response:
     body = await ctx.parse(request, DetokenizeRequest)
     ctx.resolve_model(body.model)
     check_token_ids(body.tokens, ctx.renderer.vocab_size, "tokens")
-    return json_response({"prompt": ctx.renderer.decode(body.tokens)})
+    return json_response({"prompt": await ctx.decode(body.tokens)})
 
 
 async def tokenizer_info(ctx: ServingContext, request: Request) -> Response:

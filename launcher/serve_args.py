@@ -10,6 +10,8 @@ import argparse
 import os
 import re
 
+from frontend.limits import RequestLimits
+
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
@@ -239,8 +241,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic engine stats line")
     g.add_argument(
         "--api-key",
-        default=os.environ.get("ZSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $ZSERVE_API_KEY)",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but the probes and /metrics "
+        "(without this flag: the ZSERVE_API_KEY environment variable, if set)",
     )
     g.add_argument(
         "--allowed-origins",
@@ -296,6 +299,97 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=0.0,
         help="seconds in-flight requests may finish after SIGTERM (0: abort at once)",
+    )
+
+    g = p.add_argument_group(
+        "limits", "what one client may send; every refusal names the field and the flag"
+    )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes,
+        default=RequestLimits.max_body_bytes,
+        help="largest request body (413 above it), e.g. 8MiB",
+    )
+    g.add_argument(
+        "--max-header-bytes",
+        type=parse_bytes,
+        default=RequestLimits.max_header_bytes,
+        help="largest request line plus headers (431 above it)",
+    )
+    g.add_argument(
+        "--max-header-count",
+        type=_positive,
+        default=RequestLimits.max_header_count,
+        help="most headers in one request (431 above it)",
+    )
+    g.add_argument(
+        "--header-read-timeout",
+        type=_non_negative,
+        default=RequestLimits.header_timeout_s,
+        help="seconds a client has to send a request's headers (408 after; 0: no limit)",
+    )
+    g.add_argument(
+        "--body-read-timeout",
+        type=_non_negative,
+        default=RequestLimits.body_timeout_s,
+        help="seconds a client has to send a request's body once its headers are in (408 "
+        "after; 0: no limit)",
+    )
+    g.add_argument(
+        "--max-prompt-chars",
+        type=_positive,
+        default=None,
+        help="longest prompt text, checked before tokenizing (default: what max_model_len can "
+        "hold, max_model_len x the longest token's characters)",
+    )
+    g.add_argument(
+        "--max-prompts-per-request",
+        type=_positive,
+        default=RequestLimits.max_prompts,
+        help="most prompts in one completions request",
+    )
+    g.add_argument(
+        "--max-sequences-per-request",
+        type=_positive,
+        default=RequestLimits.max_sequences,
+        help="most sequences one request may run (prompts x n); also the largest n",
+    )
+    g.add_argument(
+        "--max-stop-strings",
+        type=_positive,
+        default=RequestLimits.max_stop_strings,
+        help="most stop strings in one request",
+    )
+    g.add_argument(
+        "--max-stop-string-length",
+        type=_positive,
+        default=RequestLimits.max_stop_chars,
+        help="longest stop string, in characters",
+    )
+    g.add_argument(
+        "--max-request-id-length",
+        type=_positive,
+        default=RequestLimits.max_request_id_chars,
+        help="longest request_id or X-Request-Id, in characters",
+    )
+    g.add_argument(
+        "--max-chat-messages",
+        type=_positive,
+        default=RequestLimits.max_messages,
+        help="most messages in one chat request",
+    )
+    g.add_argument(
+        "--tokenizer-pool-size",
+        type=int,
+        default=1,
+        help="worker processes per API server that tokenize long texts, so they never hold "
+        "the serving loop (0: a thread of the API server, which does hold it)",
+    )
+    g.add_argument(
+        "--tokenize-timeout",
+        type=_non_negative,
+        default=60.0,
+        help="seconds one long text may take to tokenize before its request fails",
     )
 
     g = p.add_argument_group("processes")

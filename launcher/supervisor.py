@@ -22,6 +22,7 @@ import zmq
 from engine_core.config import EngineConfig
 from frontend.admission import Admission
 from frontend.config import APIServerConfig, FrontendConfig
+from frontend.limits import RequestLimits
 from launcher import procs
 from launcher.models import ModelNotFoundError, resolve_model
 from launcher.port import PortBusyError, claim_port
@@ -137,7 +138,7 @@ def frontend_config(args: argparse.Namespace, model_dir: str, tokenizer_dir: str
         disable_fastapi_docs=args.disable_fastapi_docs,
         enable_log_requests=args.enable_log_requests and not args.disable_log_requests,
         disable_log_stats=args.disable_log_stats,
-        api_key=args.api_key,
+        api_key=args.api_key or os.environ.get("ZSERVE_API_KEY") or None,
         allowed_origins=args.allowed_origins,
         allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers,
@@ -153,6 +154,22 @@ def frontend_config(args: argparse.Namespace, model_dir: str, tokenizer_dir: str
         metrics_prefix=args.metrics_prefix,
         scheduling_policy=args.scheduling_policy,
         shutdown_timeout=args.shutdown_timeout,
+        limits=RequestLimits(
+            max_body_bytes=args.max_request_body_bytes,
+            max_header_bytes=args.max_header_bytes,
+            max_header_count=args.max_header_count,
+            header_timeout_s=args.header_read_timeout,
+            body_timeout_s=args.body_read_timeout,
+            max_prompt_chars=args.max_prompt_chars,
+            max_prompts=args.max_prompts_per_request,
+            max_sequences=args.max_sequences_per_request,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_chars=args.max_stop_string_length,
+            max_request_id_chars=args.max_request_id_length,
+            max_messages=args.max_chat_messages,
+        ),
+        tokenizer_pool_size=args.tokenizer_pool_size,
+        tokenize_timeout_s=args.tokenize_timeout,
     )
 
 
@@ -558,14 +575,19 @@ def _share(cpus: list[int] | None, index: int, count: int) -> list[int] | None:
     return cpus[index * per : (index + 1) * per] if per else cpus
 
 
+# Open files per process: room for thousands of concurrent streams per API server, and
+# a ceiling on what a flood of connections can make one process hold.
+OPEN_FILES = 65_536
+
+
 def raise_open_files_limit() -> None:
-    """Thousands of streams need thousands of sockets: soft limit up to the hard one."""
+    """Thousands of streams need thousands of sockets: soft limit up to OPEN_FILES (or
+    the hard limit, if lower)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > 1_048_576:
-        hard = 1_048_576
-    if soft < hard:
+    target = OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES)
+    if soft < target:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         except (ValueError, OSError) as e:
             log.warning("could not raise the open-files limit from %d: %s", soft, e)
 
