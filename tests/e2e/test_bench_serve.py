@@ -17,8 +17,9 @@ OUT_LEN = 6
 
 
 @pytest.fixture(scope="module")
-def server(default_server: ZServe) -> ZServe:
+def server(default_server: ZServe, tiny_model) -> ZServe:
     """The e2e suite's shared `zserve serve` on the tiny llama (tests/e2e/conftest.py)."""
+    default_server.tokenizer_dir = str(tiny_model("llama"))
     return default_server
 
 
@@ -27,6 +28,8 @@ def bench_serve(server: ZServe, tmp_path, *extra: str) -> dict:
     cmd = [
         sys.executable, "-m", "launcher.cli", "bench", "serve",
         "--base-url", server.base_url,
+        # zserve's /v1/models names no path on its machine, so the tokenizer is given.
+        "--tokenizer", server.tokenizer_dir,
         "--num-prompts", str(NUM_PROMPTS),
         "--random-input-len", str(IN_LEN),
         "--random-output-len", str(OUT_LEN),
@@ -43,7 +46,7 @@ def bench_serve(server: ZServe, tmp_path, *extra: str) -> dict:
 
 
 def test_completions_load_has_exact_prompt_and_output_lengths(server, tmp_path):
-    # No --model / --tokenizer: both come from the server's /v1/models (id and root).
+    # No --model: it comes from the server's /v1/models.
     result = bench_serve(server, tmp_path)
     assert result["completed"] == NUM_PROMPTS and result["failed"] == 0
     # usage is the server's own count: the prompts built here have exactly IN_LEN tokens

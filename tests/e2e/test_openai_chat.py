@@ -87,7 +87,7 @@ def test_too_many_top_logprobs_is_refused_and_the_server_keeps_serving(client, h
     """§5 item 32."""
     for stream in (False, True):
         body = {"messages": USER, "logprobs": True, "top_logprobs": 21, "stream": stream}
-        assert_error(http.post("/v1/chat/completions", json=body), 400, "logprobs", ["21"])
+        assert_error(http.post("/v1/chat/completions", json=body), 400, "top_logprobs", ["21"])
     body = {"messages": USER, "top_logprobs": 2}
     assert_error(http.post("/v1/chat/completions", json=body), 400, "top_logprobs")
     assert client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1).choices

@@ -36,7 +36,7 @@ RULES = [
     (C, {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs", ["prompt_logprobs"]),
     (C, {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", ["21", "20"]),
     (C, {"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", ["stream"]),
-    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "logprobs", ["21", "20"]),
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs", ["21", "20"]),
     (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": -1}, "top_logprobs", ["top_logprobs"]),
     (CHAT, {"messages": MSG, "top_logprobs": 3}, "top_logprobs", ["logprobs"]),
     # sampling ranges

@@ -133,6 +133,17 @@ def test_probes_and_metrics_stay_open(server, method, path):
     assert httpx.request(method, server.base_url + path, timeout=30).status_code == 200
 
 
+def test_the_bearer_scheme_is_matched_case_insensitively(server):
+    """RFC 7235: the auth scheme is case-insensitive; the key itself is not."""
+    url = server.base_url + "/v1/models"
+    for scheme in ("bearer", "BEARER", "BeArEr"):
+        r = httpx.get(url, headers={"Authorization": f"{scheme} {KEY}"}, timeout=30)
+        assert r.status_code == 200, (scheme, r.text)
+    r = httpx.get(url, headers={"Authorization": f"Bearer {KEY.upper()}"}, timeout=30)
+    assert_error(r, 401)
+    assert_error(httpx.get(url, headers={"Authorization": f"Basic {KEY}"}, timeout=30), 401)
+
+
 def test_the_sdk_sees_a_wrong_key_as_an_authentication_error(server, client):
     with sync_client(server, api_key="wrong") as bad, pytest.raises(openai.AuthenticationError):
         bad.models.list()
@@ -229,7 +240,7 @@ def test_max_logprobs_is_the_servers_limit(client, http):
         (
             "/v1/chat/completions",
             {"messages": [{"role": "u", "content": "x"}], "logprobs": True, "top_logprobs": 6},
-            "logprobs",
+            "top_logprobs",
         ),
     ]:
         assert_error(http.post(path, json=body), 400, param, ["6", "--max-logprobs 5"])

@@ -258,3 +258,70 @@ def test_known_fields_with_any_values_get_an_answer_that_is_not_a_5xx(fuzz_http,
 )
 def test_malformed_bodies_get_an_answer_that_is_not_a_5xx(fuzz_http, route, content, content_type):
     check(fuzz_http, route, content, content_type)
+
+
+# --- every route, and the headers ---------------------------------------------------------
+
+GET_ROUTES = [
+    "/v1/models",
+    "/health",
+    "/live",
+    "/ping",
+    "/load",
+    "/version",
+    "/metrics",
+    "/server_info",
+    "/tokenizer_info",
+    "/openapi.json",
+]
+# Values any HTTP client can send (no surrounding blanks: h11 refuses to send those).
+HEADER_VALUE = (
+    st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=40).map(str.strip)
+    | st.sampled_from(["-1", "0", "1", "2", "99999999999999999999", "1e3", "nan", ""])
+    | st.integers(min_value=-(2**70), max_value=2**70).map(str)
+)
+HEADERS = st.dictionaries(
+    st.sampled_from(
+        [
+            "x-request-id",
+            "x-priority",
+            "x-vllm-priority",
+            "x-data-parallel-rank",
+            "authorization",
+            "accept",
+            "accept-encoding",
+            "origin",
+            "x-forwarded-for",
+            "endpoint-load-metrics-format",
+        ]
+    )
+    | st.from_regex(r"\Ax-[a-z0-9-]{1,20}\Z"),
+    HEADER_VALUE,
+    max_size=5,
+)
+QUERY = st.dictionaries(st.text(max_size=8), st.text(max_size=12), max_size=3)
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(route=st.sampled_from(GET_ROUTES), headers=HEADERS, query=QUERY, body=JSON)
+def test_get_routes_with_any_headers_query_or_body_are_never_a_5xx(
+    fuzz_http, route, headers, query, body
+):
+    r = fuzz_http.request(
+        "GET", route, headers=headers, params=query, content=json.dumps(body).encode()
+    )
+    assert r.status_code < 500, (route, headers, query, r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        assert_error_body(r.json(), r.status_code)
+
+
+@settings(max_examples=400, **SETTINGS)
+@given(case=field_bodies(), headers=HEADERS)
+def test_post_routes_with_any_headers_are_never_a_5xx(fuzz_http, case, headers):
+    route, body = case
+    headers = {**headers, "content-type": "application/json"}
+    r = fuzz_http.post(route, content=json.dumps(body).encode(), headers=headers)
+    assert r.status_code < 500, (route, headers, body, r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        assert r.headers["content-type"].startswith("application/json"), r.headers
+        assert_error_body(r.json(), r.status_code)

@@ -97,3 +97,21 @@ def test_an_uncached_id_is_a_clear_error_and_nothing_is_downloaded(tmp_path, mon
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(ModelNotFoundError, match="never downloads"):
         resolve_model("some-org/not-here")
+
+
+def test_help_never_prints_the_api_key_from_the_environment(monkeypatch, capsys):
+    monkeypatch.setenv("ZSERVE_API_KEY", "sk-secret-from-env")
+    with pytest.raises(SystemExit):
+        parse("--help")
+    assert "sk-secret-from-env" not in capsys.readouterr().out
+    assert parse("m").api_key is None  # read at start-up by the supervisor, never shown
+
+
+def test_every_limit_flag_has_a_safe_default():
+    args = parse("m")
+    assert args.max_request_body_bytes == 8 << 20
+    assert args.max_prompts_per_request == 1024
+    assert args.max_sequences_per_request == 1024
+    assert args.max_prompt_chars is None  # derived from max_model_len at run time
+    assert args.header_read_timeout > 0 and args.body_read_timeout > 0
+    assert parse("m", "--max-request-body-bytes", "1MiB").max_request_body_bytes == 1 << 20

@@ -1,0 +1,113 @@
+"""Hardening pieces that need no server: the limit checks, the log's escaping, the chat
+template's error text, and the watchdog that must not blame an engine for its own stall."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+from jinja2 import TemplateError, TemplateSyntaxError
+
+from frontend.engine_client import ClientConfig, EngineClient
+from frontend.errors import APIError
+from frontend.limits import (
+    RequestLimits,
+    check_fan_out,
+    check_prompt_count,
+    check_request_id,
+    check_stop_strings,
+)
+from frontend.serving_chat import template_error
+from protocol.logs import setup_logging
+
+LIMITS = RequestLimits()
+
+
+@pytest.mark.parametrize(
+    ("check", "param", "words"),
+    [
+        (lambda: check_request_id("r" * 257, "request_id", LIMITS), "request_id", ["257", "256"]),
+        (lambda: check_request_id("", "X-Request-Id", LIMITS), "X-Request-Id", ["empty"]),
+        (lambda: check_prompt_count(1025, LIMITS), "prompt", ["1025", "1024"]),
+        (lambda: check_fan_out(1, 1025, LIMITS), "n", ["n must be at most 1024"]),
+        (lambda: check_fan_out(33, 32, LIMITS), "n", ["1056 sequences", "1024"]),
+        (lambda: check_stop_strings(["s"] * 65, LIMITS), "stop", ["65", "64"]),
+        (lambda: check_stop_strings(["s" * 1025], LIMITS), "stop", ["1025", "1024"]),
+    ],
+)
+def test_each_limit_is_a_400_naming_the_field_the_limit_and_the_flag(check, param, words):
+    with pytest.raises(APIError) as e:
+        check()
+    assert e.value.status == 400 and e.value.param == param
+    assert all(w in e.value.message for w in words), e.value.message
+    assert "(--max-" in e.value.message or "empty" in e.value.message
+
+
+def test_values_at_the_limits_pass():
+    check_request_id("r" * 256, "request_id", LIMITS)
+    check_request_id("é\n≠", "request_id", LIMITS)  # any characters; the log escapes them
+    check_prompt_count(1024, LIMITS)
+    check_fan_out(32, 32, LIMITS)
+    check_stop_strings(["s" * 1024] * 64, LIMITS)
+
+
+def test_a_log_message_cannot_start_a_line_of_its_own(capsys):
+    setup_logging("test0")
+    logging.getLogger("t").warning("id %s", "x\n12:00:00 ERROR forged\r\x1b[31m\u2028")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "x\\n12:00:00 ERROR forged\\r\\x1b[31m\\u2028" in err
+
+
+def test_a_templates_own_raise_exception_message_reaches_the_client():
+    error = template_error(TemplateError("Conversation roles must alternate user/assistant"))
+    assert error.status == 400 and error.param == "messages"
+    assert "roles must alternate" in error.message
+
+
+def test_other_template_failures_answer_a_generic_message():
+    for exc in (
+        TemplateSyntaxError("unexpected '}' at /home/op/templates/x.jinja", 3),
+        TypeError("'NoneType' object is not subscriptable"),
+        ZeroDivisionError("division by zero"),
+    ):
+        error = template_error(exc)
+        assert error.status == 400 and error.param == "messages"
+        assert str(exc) not in error.message and type(exc).__name__ not in error.message
+
+
+def test_the_watchdog_does_not_count_its_own_loops_stall_as_engine_silence(tmp_path):
+    """A synchronous call blocks the loop for longer than the heartbeat timeout: no engine
+    message could be read meanwhile, so no engine is declared dead. Without the stall,
+    the same silence is (the control)."""
+
+    async def scenario(stall: bool) -> bool:
+        client = EngineClient(
+            ClientConfig(
+                client_index=0,
+                num_engines=1,
+                input_address=f"ipc://{tmp_path}/in-{stall}",
+                output_address=f"ipc://{tmp_path}/out-{stall}",
+                heartbeat_timeout_s=1.0,
+            )
+        )
+        engine = client.engines[0]
+        engine.last_seen = engine.steps_changed_at = time.monotonic()
+        watchdog = asyncio.ensure_future(client._watchdog())
+        try:
+            await asyncio.sleep(0.3)
+            engine.last_seen = time.monotonic()  # the engine's last message
+            if stall:
+                time.sleep(2.0)  # the loop is blocked: nothing can be read
+                await asyncio.sleep(0.3)
+            else:
+                await asyncio.sleep(2.3)  # the loop runs, and the engine says nothing
+            return engine.alive
+        finally:
+            watchdog.cancel()
+            client.close()
+
+    assert asyncio.run(scenario(stall=True)) is True
+    assert asyncio.run(scenario(stall=False)) is False
