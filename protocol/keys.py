@@ -2,24 +2,31 @@
 
 Every node holds the same key pair in `--engine-keys DIR` (default
 `$XDG_CONFIG_HOME/zserve/engine-keys`): the head generates it on first use, workers
-are given a copy. Binding sockets are CURVE servers; connecting sockets present the
-same pair as clients, and a ZAP handler on every binding side admits only that
-public key. A peer without the secret key therefore cannot complete the CURVE
-handshake: ZMQ drops it before one byte reaches zserve.
+are given a copy. Binding sockets are CURVE servers; connecting sockets present the same pair as clients and
+pin the server's public key, and a ZAP handler in every process that binds admits
+only that public key. A peer without the secret key therefore cannot complete the
+CURVE handshake: ZMQ drops it before one byte reaches zserve.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
 
 import zmq
 import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
-from protocol.sockets import CurveKeys
+from protocol.sockets import ZAP_DOMAIN, CurveKeys
+
+log = logging.getLogger("zserve.keys")
 
 KEY_NAME = "zserve-engine"
+# At most one log line per this many seconds about refused peers: a rogue client
+# retries its connection every 100 ms, and the log must not become its megaphone.
+REFUSAL_LOG_INTERVAL_S = 60.0
 
 
 class EngineKeysError(RuntimeError):
@@ -77,21 +84,41 @@ def engine_keys(directory: Path | None, *, create: bool, wait_s: float = 0.0) ->
     return load_keys(directory)
 
 
-def start_authenticator(ctx: zmq.Context, keys: CurveKeys, asyncio: bool = False):
-    """Admit CURVE clients that present the deployment's public key, and no one else."""
-    if asyncio:
-        from zmq.auth.asyncio import AsyncioAuthenticator as Auth
-    else:
-        from zmq.auth.thread import ThreadAuthenticator as Auth
-    auth = Auth(ctx)
+def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> ThreadAuthenticator:
+    """The ZAP handler of `ctx`: its CURVE server sockets admit only clients that
+    present the deployment's public key. Start it before those sockets bind; stop
+    it (`.stop()`) after they are closed and before the context is destroyed.
+
+    A thread rather than pyzmq's asyncio flavour, also in the API servers: it answers
+    while their event loop is busy or not running yet (their sockets bind before it
+    starts), and the supervisor, which has no loop, runs the same code.
+    """
+    auth = ThreadAuthenticator(ctx)
+    auth.configure_curve_callback(
+        domain=ZAP_DOMAIN.decode(), credentials_provider=_OnlyOurKey(keys.public)
+    )
     auth.start()
-    auth.configure_curve_callback(domain="*", credentials_provider=_OnlyOurKey(keys.public))
     return auth
 
 
 class _OnlyOurKey:
     def __init__(self, public: bytes) -> None:
         self.public = public
+        self.refused = 0
+        self.next_log = 0.0
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return key == self.public  # pyzmq hands the client's key z85-encoded
+        if key == self.public:  # pyzmq hands the client's key z85-encoded
+            return True
+        self.refused += 1
+        now = time.monotonic()
+        if now >= self.next_log:
+            log.warning(
+                "refused %d engine-link connection(s) from a peer with an unknown CURVE key "
+                "(latest %s…): only holders of this deployment's engine keys may connect",
+                self.refused,
+                key[:8].decode(errors="replace"),
+            )
+            self.refused = 0
+            self.next_log = now + REFUSAL_LOG_INTERVAL_S
+        return False
