@@ -1,8 +1,9 @@
 """CURVE keys of one zserve deployment, and the ZAP check that enforces them.
 
 Every node holds the same key pair in `--engine-keys DIR` (default
-`$XDG_CONFIG_HOME/zserve/engine-keys`): the head generates it on first use, workers
-are given a copy. Binding sockets are CURVE servers; connecting sockets present the same pair as clients and
+`$XDG_CONFIG_HOME/zserve/engine-keys`): the head generates it on first use (or an
+operator does, with `zserve make-engine-keys`), workers are given a copy. Binding
+sockets are CURVE servers; connecting sockets present the same pair as clients and
 pin the server's public key, and a ZAP handler in every process that binds admits
 only that public key. A peer without the secret key therefore cannot complete the
 CURVE handshake: ZMQ drops it before one byte reaches zserve.
@@ -12,6 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
+import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,32 +42,71 @@ def default_keys_dir() -> Path:
     return Path(base) / "zserve" / "engine-keys"
 
 
-def _secret_file(directory: Path) -> Path:
-    return directory / f"{KEY_NAME}.key_secret"
+def secret_file(directory: Path) -> Path:
+    return Path(directory) / f"{KEY_NAME}.key_secret"
 
 
-def create_keys(directory: Path) -> CurveKeys:
-    """Generate the deployment's key pair (readable by this user only)."""
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = directory / f".tmp-{os.getpid()}"
-    tmp.mkdir(mode=0o700)
+def public_file(directory: Path) -> Path:
+    return Path(directory) / f"{KEY_NAME}.key"
+
+
+def create_keys(directory: Path, *, overwrite: bool = False) -> CurveKeys:
+    """Generate the deployment's key pair, files 0600 in a 0700 folder. Without
+    `overwrite`, a pair that already exists (another process won a race) is kept."""
+    directory = Path(directory)
     try:
-        zmq.auth.create_certificates(tmp, KEY_NAME)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o600)
-            if not (directory / f.name).exists():
-                os.replace(f, directory / f.name)
-    finally:
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with tempfile.TemporaryDirectory(dir=directory, prefix=".tmp-") as tmp:
+            public, secret = zmq.auth.create_certificates(tmp, KEY_NAME)
+            os.chmod(public, 0o600)
+            os.chmod(secret, 0o600)
+            if overwrite:
+                os.replace(secret, secret_file(directory))
+                os.replace(public, public_file(directory))
+            else:
+                try:  # atomic and exclusive: of two racing creators, one pair wins whole
+                    os.link(secret, secret_file(directory))
+                except FileExistsError:
+                    pass
+                else:
+                    os.replace(public, public_file(directory))
+    except OSError as e:
+        raise EngineKeysError(f"cannot create the engine keys in {directory}: {e}") from e
     return load_keys(directory)
 
 
+def check_secret_file(path: Path) -> None:
+    """Refuse a secret key others could read or replace, as ssh refuses such a key.
+    Root-owned files pass (as with sshd's StrictModes): Kubernetes mounts Secrets so."""
+    st = os.stat(path)
+    euid = os.geteuid()
+    if st.st_uid not in (euid, 0):
+        try:
+            user = pwd.getpwuid(euid).pw_name
+        except KeyError:
+            user = str(euid)
+        raise EngineKeysError(
+            f"{path} is owned by uid {st.st_uid}, not by this user ({user}): another user "
+            f"could replace the engine secret key; run `chown {user} {path}` and "
+            f"`chmod 600 {path}`"
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise EngineKeysError(
+            f"{path} is accessible by group or others (mode {mode:04o}): the engine secret "
+            f"key must be private; run `chmod 600 {path}`"
+        )
+
+
 def load_keys(directory: Path) -> CurveKeys:
-    public, secret = zmq.auth.load_certificate(_secret_file(directory))
+    path = secret_file(directory)
+    check_secret_file(path)
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as e:
+        raise EngineKeysError(f"cannot read the engine keys in {path}: {e}") from e
     if secret is None:
-        raise EngineKeysError(f"{_secret_file(directory)} holds no secret key")
+        raise EngineKeysError(f"{path} holds no secret key")
     return CurveKeys(public=public, secret=secret)
 
 
@@ -72,7 +115,7 @@ def engine_keys(directory: Path | None, *, create: bool, wait_s: float = 0.0) ->
     for them to appear (e.g. while they are being copied), then fails clearly."""
     directory = Path(directory) if directory else default_keys_dir()
     deadline = time.monotonic() + wait_s
-    while not _secret_file(directory).is_file():
+    while not secret_file(directory).is_file():
         if create:
             return create_keys(directory)
         if time.monotonic() >= deadline:

@@ -1,19 +1,103 @@
-"""protocol/keys.py: ZAP that admits only the deployment's key, and fails closed
-without a handler (issue 14)."""
+"""protocol/keys.py and `zserve make-engine-keys`: private key files, ZAP that admits only
+the deployment's key, and fails closed without a handler (issue 14)."""
 
 from __future__ import annotations
 
+import os
+import stat
+import threading
 import time
 
 import pytest
 import zmq
+import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
-from protocol.keys import create_keys, start_authenticator
+from launcher.cli import main
+from protocol.keys import (
+    EngineKeysError,
+    create_keys,
+    engine_keys,
+    load_keys,
+    public_file,
+    secret_file,
+    start_authenticator,
+)
 from protocol.sockets import CurveKeys, bind, make_socket, tcp_address
 
 pytestmark = pytest.mark.timeout(60)
 
+
+def test_created_keys_are_private_and_load_back(tmp_path):
+    folder = tmp_path / "keys"
+    keys = create_keys(folder)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    for f in (secret_file(folder), public_file(folder)):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600
+    assert zmq.curve_public(keys.secret) == keys.public
+    assert load_keys(folder) == keys
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []  # no temp left
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o620, 0o602, 0o644])
+def test_a_secret_key_others_can_read_or_write_is_refused_with_the_fix(tmp_path, mode):
+    create_keys(tmp_path)
+    path = secret_file(tmp_path)
+    os.chmod(path, mode)
+    with pytest.raises(EngineKeysError) as e:
+        load_keys(tmp_path)
+    assert str(path) in str(e.value) and f"chmod 600 {path}" in str(e.value)
+    with pytest.raises(EngineKeysError):  # the head does not silently accept them either
+        engine_keys(tmp_path, create=True)
+    os.chmod(path, 0o600)
+    assert load_keys(tmp_path).public == zmq.auth.load_certificate(public_file(tmp_path))[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_secret_key_owned_by_another_user_is_refused(tmp_path):
+    create_keys(tmp_path)
+    path = secret_file(tmp_path)
+    os.chown(path, 54321, -1)
+    with pytest.raises(EngineKeysError, match="owned by uid 54321") as e:
+        load_keys(tmp_path)
+    assert str(path) in str(e.value) and "chown" in str(e.value)
+
+
+def test_a_worker_waits_for_keys_to_appear(tmp_path):
+    folder = tmp_path / "keys"
+    writer = threading.Timer(1.0, create_keys, args=(folder,))
+    writer.start()
+    try:
+        keys = engine_keys(folder, create=False, wait_s=30)
+    finally:
+        writer.join()
+    assert keys == load_keys(folder)
+    with pytest.raises(EngineKeysError, match="no engine keys in"):
+        engine_keys(tmp_path / "never", create=False, wait_s=0.6)
+
+
+def test_create_keeps_an_existing_pair_unless_told_to_overwrite(tmp_path):
+    first = create_keys(tmp_path)
+    assert create_keys(tmp_path) == first  # a racing head loses cleanly
+    replaced = create_keys(tmp_path, overwrite=True)
+    assert replaced != first and load_keys(tmp_path) == replaced
+
+
+def test_make_engine_keys_creates_then_refuses_to_overwrite_without_force(tmp_path, capsys):
+    folder = tmp_path / "deploy"
+    assert main(["make-engine-keys", str(folder)]) == 0
+    keys = load_keys(folder)
+    assert keys.public.decode() in capsys.readouterr().out
+    assert stat.S_IMODE(secret_file(folder).stat().st_mode) == 0o600
+    assert main(["make-engine-keys", str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert str(secret_file(folder)) in err and "--force" in err
+    assert load_keys(folder) == keys
+    assert main(["make-engine-keys", str(folder), "--force"]) == 0
+    assert load_keys(folder) != keys
+
+
+# --- ZAP ----------------------------------------------------------------------------
 
 _RESULTS = {
     zmq.EVENT_HANDSHAKE_SUCCEEDED: "admitted",
