@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 import zmq
 
 from protocol import codec, sockets
+from protocol.keys import start_authenticator
 from protocol.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -163,6 +164,7 @@ def measure(transport: str, case: Case, count: int, tmpdir: str) -> Row:
     """Run one sender process against a receiver here; time the receiving side."""
     keys = _keys(transport)
     ctx = zmq.Context()
+    auth = start_authenticator(ctx, keys) if keys else None  # as zserve's API servers do
     kind = zmq.PULL if case.outputs else zmq.DEALER
     identity = None if case.outputs else sockets.rank_identity(0)
     sock = sockets.make_socket(ctx, kind, curve=keys, curve_server=True, identity=identity)
@@ -188,6 +190,8 @@ def measure(transport: str, case: Case, count: int, tmpdir: str) -> Row:
         if proc.is_alive():
             proc.kill()
         sock.close()
+        if auth is not None:
+            auth.stop()
         ctx.term()
     encode_us, decode_us = codec_cost_us(case)
     per_msg = elapsed / count

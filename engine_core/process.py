@@ -136,6 +136,8 @@ class EngineCoreProc:
         raise _Shutdown()
 
     def connect(self, plan: EnginePlan) -> None:
+        # An engine never binds: each of its sockets is a CURVE client that pins the
+        # server's public key (make_socket), so it needs no ZAP handler of its own.
         for address in plan.input_addresses:
             sock = make_socket(
                 self.ctx,

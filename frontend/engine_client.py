@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from protocol import codec
+from protocol.keys import start_authenticator
 from protocol.messages import (
     ENGINE_CORE_DEAD,
     EngineCoreOutput,
@@ -100,6 +101,9 @@ class EngineClient:
         self.config = config
         self.client_index = config.client_index
         self.ctx = zmq.asyncio.Context()
+        tcp = needs_curve(config.input_address) or needs_curve(config.output_address)
+        # ZAP before bind: our CURVE sockets admit only the deployment's key.
+        self.auth = start_authenticator(self.ctx, config.curve) if config.curve and tcp else None
         self.router = make_socket(
             self.ctx,
             zmq.ROUTER,
@@ -388,4 +392,9 @@ class EngineClient:
     def close(self) -> None:
         for t in self._tasks:
             t.cancel()
+        # Sockets first, then their ZAP handler, then the context it runs on.
+        self.router.close(linger=0)
+        self.pull.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.destroy(linger=0)

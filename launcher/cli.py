@@ -1,4 +1,4 @@
-"""The `zserve` command: `serve`, `make-tiny-model`, `bench …`.
+"""The `zserve` command: `serve`, `make-tiny-model`, `make-engine-keys`, `bench …`.
 
 Each subcommand lives in its own module, which adds its parser with
 `add_parser(subparsers)` and is imported lazily: `zserve serve` must not pay for
@@ -13,6 +13,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from benchmarks.cli import add_parser as add_bench
+    from launcher.make_engine_keys import add_parser as add_keys
     from launcher.serve_args import add_parser as add_serve
     from launcher.tiny_model import add_parser as add_tiny
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_serve(sub)
     add_tiny(sub)
+    add_keys(sub)
     add_bench(sub)
     return parser
 

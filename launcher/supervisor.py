@@ -342,6 +342,13 @@ class Supervisor:
             # A restarted API server binds exactly these endpoints again.
             child.info["config"].input_address = message[1]
             child.info["config"].output_address = message[2]
+            if not self.all_local:  # ports for the firewall between the nodes
+                log.info(
+                    "%s binds %s (requests to engines) and %s (engine outputs)",
+                    child.name,
+                    message[1],
+                    message[2],
+                )
 
     def _spawn_api_server(self, cfg: APIServerConfig) -> Child:
         parent_end, child_end = self.ctx.Pipe()

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import zmq
 
+# The ZAP domain of every CURVE server socket; keys.start_authenticator answers for it.
+ZAP_DOMAIN = b"zserve"
+
 
 @dataclass(frozen=True)
 class CurveKeys:
@@ -64,13 +67,26 @@ def make_socket(
             sock.curve_server = True
             sock.curve_secretkey = curve.secret
             sock.curve_publickey = curve.public
+            _require_zap(sock)
         else:
-            # Clients present the deployment's own pair; the server's ZAP handler
+            # Clients pin the server's public key (the deployment's, as every node
+            # holds the same pair) and present that pair; the server's ZAP handler
             # admits that public key only (protocol/keys.py).
             sock.curve_serverkey = curve.public
             sock.curve_publickey = curve.public
             sock.curve_secretkey = curve.secret
     return sock
+
+
+def _require_zap(sock: zmq.Socket) -> None:
+    """Fail closed: a CURVE server admits a client only if its context's ZAP handler
+    (keys.start_authenticator) says yes. Without ZAP_ENFORCE_DOMAIN, libzmq admits
+    every key when no handler runs (one not started, or already stopped)."""
+    sock.zap_domain = ZAP_DOMAIN
+    try:
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+    except (AttributeError, zmq.ZMQError):
+        pass  # a libzmq without the option: the handler, started before bind, still decides
 
 
 def bind(sock: zmq.Socket, address: str) -> str:

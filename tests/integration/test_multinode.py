@@ -91,7 +91,7 @@ def worker_host():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def _dp_flags(address: str, rpc: int) -> list[str]:
+def dp_flags(address: str, rpc: int) -> list[str]:
     return [
         "--data-parallel-size",
         "2",
@@ -117,7 +117,7 @@ def test_headless_engine_in_another_network_namespace_serves(
         "--served-model-name",
         MODEL,
         *COMMON,
-        *_dp_flags(head_addr, rpc),
+        *dp_flags(head_addr, rpc),
         env=env,
         wait_ready=False,
     )
@@ -127,7 +127,7 @@ def test_headless_engine_in_another_network_namespace_serves(
         "--data-parallel-start-rank",
         "1",
         *COMMON,
-        *_dp_flags(head_addr, rpc),
+        *dp_flags(head_addr, rpc),
         env=env,
         wait_ready=False,
     )
@@ -177,6 +177,7 @@ def _rogue_attacks(ctx: zmq.Context, endpoints: list[str], server_public: bytes)
             for curve in (False, True):
                 s = ctx.socket(kind)
                 s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.IPV6, 1)  # without it, tcp://[::1] never connects
                 s.setsockopt(zmq.SNDTIMEO, 200)
                 if curve:
                     public, secret = zmq.curve_keypair()
@@ -208,7 +209,7 @@ def test_an_engine_started_before_its_head_waits_and_rogue_peers_get_nothing(tin
         "--data-parallel-start-rank",
         "1",
         *COMMON,
-        *_dp_flags("::1", rpc),
+        *dp_flags("::1", rpc),
         env=env,
         wait_ready=False,
     )
@@ -217,7 +218,7 @@ def test_an_engine_started_before_its_head_waits_and_rogue_peers_get_nothing(tin
         "--served-model-name",
         MODEL,
         *COMMON,
-        *_dp_flags("::1", rpc),
+        *dp_flags("::1", rpc),
         env=env,
         wait_ready=False,
     )
