@@ -75,16 +75,6 @@ class RequestStream:
         self.error = error
         self.event.set()
 
-    async def next_batch(self) -> list[EngineCoreOutput]:
-        """Every output that arrived since the last call (waits for at least one)."""
-        while not self.items:
-            if self.error is not None:
-                raise self.error
-            self.event.clear()
-            await self.event.wait()
-        items, self.items = self.items, []
-        return items
-
 
 @dataclass
 class ClientConfig:
@@ -130,8 +120,7 @@ class EngineClient:
         self._utility_waiters: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
         self.on_engine_dead: Callable[[EngineState], None] | None = None
-        self.on_loop_lag: Callable[[float], None] | None = None
-        self.loop_lag_s = 0.0
+        self.on_loop_lag: Callable[[float], None] | None = None  # this loop's lag, each tick
         self.dead = False
 
     # --- start-up -----------------------------------------------------------------
@@ -329,7 +318,7 @@ class EngineClient:
 
         Silence is measured in time this loop actually ran: while the loop itself was
         stalled (a long synchronous call), nothing could be read from any engine, so that
-        time counts against no engine. `loop_lag_s` is the last stall measured."""
+        time counts against no engine."""
         timeout = self.config.heartbeat_timeout_s
         interval = min(1.0, timeout / 4)
         last = time.monotonic()
@@ -338,7 +327,6 @@ class EngineClient:
             now = time.monotonic()
             lag = max(0.0, now - last - interval)
             last = now
-            self.loop_lag_s = lag
             if self.on_loop_lag is not None:
                 self.on_loop_lag(lag)
             for engine in self.engines:

@@ -202,6 +202,11 @@ class Generation:
             else:
                 await self.event.wait()
 
+    async def drain(self) -> None:
+        """Run to the end without streaming (a non-streaming response)."""
+        async for _ in self.deltas():
+            pass
+
     def _apply(self, choice: Choice, out) -> ChoiceDelta:
         """Hot path: one engine output of one choice → its delta."""
         if out.finish_reason is FinishReason.REFUSED:

@@ -79,6 +79,7 @@ class SamplingFields(_Model):
         "echo",
         "logprobs",
         "add_generation_prompt",
+        "max_tokens",
         mode="before",
         check_fields=False,
     )
@@ -132,7 +133,7 @@ def _is_int(value) -> bool:
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt | None = None
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: int = Field(16, ge=0)  # null: this default too
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
     suffix: str | None = None
@@ -162,10 +163,6 @@ class CompletionRequest(SamplingFields):
             raise ValueError("best_of: not supported (use n)")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: must be at least 1 (0 only with echo), got 0")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens: ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
-            )
         return self
 
 
@@ -213,9 +210,6 @@ class ChatCompletionRequest(SamplingFields):
         if self.response_format is not None and self.response_format.type == "json_schema":
             if self.response_format.json_schema is None:
                 raise ValueError("response_format: type json_schema requires a json_schema")
-        limit = self.effective_max_tokens
-        if limit is not None and self.min_tokens > limit:
-            raise ValueError(f"min_tokens: ({self.min_tokens}) must be <= max_tokens ({limit})")
         return self
 
     @property

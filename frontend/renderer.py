@@ -30,7 +30,6 @@ class Renderer:
             self.eos_token_ids = _as_list(self.config.get("eos_token_id"))
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = [self.tokenizer.eos_token_id]
-        self.special_ids = set(self.tokenizer.all_special_ids)
         # No token stands for more characters than its longest vocabulary entry (byte-level
         # and metaspace entries spell their text; byte-fallback entries spell more), so a
         # text longer than max_model_len times this cannot fit the context.

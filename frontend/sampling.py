@@ -3,9 +3,14 @@ or the server's flags. Every failure is an APIError naming the field and the lim
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from frontend.errors import APIError
 from frontend.openai_models import SamplingFields
 from protocol.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from frontend.serving import ServingContext
 
 # generation_config.json keys that act as server-side defaults (request values win).
 _DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -96,20 +101,26 @@ def check_logprobs(value: int | None, field: str, max_logprobs: int) -> None:
         )
 
 
-def build_sampling_params(
+def sampling_params(
+    ctx: ServingContext,
     req: SamplingFields,
+    prompts: list[list[int]],
     *,
-    max_tokens: int,
+    max_tokens: int | None,
     logprobs: int | None,
-    defaults: dict,
-    vocab_size: int,
-    max_logprobs: int,
-    echo_logprobs: int | None = None,
     logprobs_field: str = "logprobs",
+    echo_logprobs: int | None = None,
 ) -> SamplingParams:
-    """`echo_logprobs`: prompt logprobs the response needs although the request did not
-    ask for them (completions' echo with logprobs); `logprobs_field` names the field
-    `logprobs` came from (chat's top_logprobs)."""
+    """The engine's sampling parameters of a request, and the rules that need the model
+    or the server: the prompt lengths, max_tokens, logprob counts, token ids.
+
+    `max_tokens` None: what is left of the context after the longest prompt (chat's
+    default, as in vLLM). `logprobs_field` names the field `logprobs` came from (chat's
+    top_logprobs). `echo_logprobs`: prompt logprobs the response needs although the
+    request did not ask for them (completions' echo with logprobs)."""
+    if max_tokens is None:
+        max_tokens = max(1, ctx.max_request_tokens - max(len(p) for p in prompts))
+    max_logprobs = ctx.config.max_logprobs
     check_logprobs(logprobs, logprobs_field, max_logprobs)
     check_logprobs(req.prompt_logprobs, "prompt_logprobs", max_logprobs)
     if req.min_tokens > max_tokens:
@@ -120,6 +131,7 @@ def build_sampling_params(
     prompt_logprobs = req.prompt_logprobs
     if echo_logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, echo_logprobs)
+    vocab_size = ctx.vocab_size
     if req.stop_token_ids:
         check_token_ids(req.stop_token_ids, vocab_size, "stop_token_ids")
     if req.allowed_token_ids is not None:
@@ -130,6 +142,7 @@ def build_sampling_params(
     if req.logit_bias:
         logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in req.logit_bias.items()}
         check_token_ids(logit_bias, vocab_size, "logit_bias")
+    defaults = ctx.defaults
 
     def pick(name: str, fallback):
         value = getattr(req, name)
@@ -138,6 +151,8 @@ def build_sampling_params(
         return value
 
     top_k = pick("top_k", 0)
+    for prompt in prompts:
+        check_prompt_length(len(prompt), max_tokens, ctx.max_model_len, ctx.max_request_tokens)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=float(pick("temperature", 1.0)),

@@ -1,149 +1,40 @@
-"""POST /v1/chat/completions."""
+"""POST /v1/chat/completions: inputs → prompt → sampling parameters → submit → respond."""
 
 from __future__ import annotations
 
-import logging
-import time
-
-from jinja2 import TemplateError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from frontend.chat_prompt import message_dicts, render_prompt
 from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
-from frontend.limits import check_message_count
 from frontend.logprobs import chat_logprobs, prompt_logprobs
-from frontend.openai_models import ChatCompletionRequest, ChatMessage
-from frontend.sampling import build_sampling_params, check_prompt_length, truncation
-from frontend.serving import ServingContext, StreamingView
+from frontend.openai_models import ChatCompletionRequest
+from frontend.request_inputs import read_inputs
+from frontend.responses import respond
+from frontend.sampling import sampling_params
+from frontend.serving import ServingContext
+from frontend.streaming_view import StreamingView
 from frontend.usage import usage
 
-log = logging.getLogger("zserve.api")
 
-
-def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the chat template sees them; text parts are joined, other parts
-    are refused (this server generates text from text)."""
-    result = []
-    for i, m in enumerate(messages):
-        d = m.model_dump(exclude_none=True)
-        if isinstance(m.content, list):
-            texts = []
-            for part in m.content:
-                if part.type != "text":
-                    raise APIError(
-                        f"messages[{i}].content: parts of type {part.type!r} are not "
-                        f"supported; this model takes text parts only",
-                        param=f"messages.{i}.content",
-                    )
-                texts.append(part.text or "")
-            d["content"] = "\n".join(texts)
-        elif m.content is None:
-            d["content"] = ""
-        result.append(d)
-    return result
-
-
-async def render_messages(
-    ctx: ServingContext,
-    messages: list[ChatMessage],
-    *,
-    add_generation_prompt: bool,
-    continue_final_message: bool,
-    chat_template: str | None = None,
-    chat_template_kwargs: dict | None = None,
-    truncating: bool = False,
-) -> str:
-    """The conversation as prompt text, through the model's (or a trusted request's)
-    chat template; any failure of the template is the request's fault: a 400."""
-    kwargs = dict(chat_template_kwargs or {})
-    if "chat_template" in kwargs:
-        chat_template = kwargs.pop("chat_template")
-    if chat_template is not None and not ctx.config.trust_request_chat_template:
-        raise APIError(
-            "chat_template: request-supplied chat templates are refused; start the server "
-            "with --trust-request-chat-template to allow them",
-            param="chat_template",
-        )
-    # These are the renderer's own arguments, not template variables.
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
-    if reserved:
-        raise APIError(
-            f"chat_template_kwargs: {reserved[0]!r} is not a template variable; use the "
-            f"request field of that name",
-            param="chat_template_kwargs",
-        )
-    if chat_template is None and not ctx.renderer.has_chat_template:
-        raise APIError(
-            "messages: this model has no chat template; start the server with "
-            "--chat-template or use /v1/completions",
-            param="messages",
-        )
-    check_message_count(len(messages), ctx.limits)
-    dicts = message_dicts(messages)
-    # The template copies every message's text into the prompt: refuse a conversation
-    # that cannot fit before rendering it, and the rendered text before tokenizing it.
-    ctx.check_text_length("".join(d["content"] for d in dicts), "messages", truncating)
-    try:
-        text = await ctx.render_chat(
-            messages=dicts,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            chat_template=chat_template,
-            template_kwargs=kwargs,
-        )
-    except Exception as e:  # a template only fails on what the request put into it
-        raise template_error(e) from None
-    if not isinstance(text, str):
-        raise APIError("chat_template_kwargs: the chat template did not render text")
-    ctx.check_text_length(text, "messages", truncating)
-    return text
-
-
-def template_error(e: Exception) -> APIError:
-    """A failed chat template as a 400. A template's own `raise_exception(...)` message
-    speaks to the client (e.g. "roles must alternate"); the text of any other failure
-    comes from third-party code and only reaches the log."""
-    if type(e) is TemplateError and e.message:
-        return APIError(f"messages: {e.message[:300]}", param="messages")
-    log.warning("the chat template failed: %s: %s", type(e).__name__, e)
-    return APIError(
-        "messages: the chat template could not render this conversation (check the roles, "
-        "order and fields of the messages, and chat_template_kwargs)",
-        param="messages",
-    )
-
-
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tokenize",
-        "return_dict",
-        "return_tensors",
-        "return_assistant_tokens_mask",
-        "padding",
-        "truncation",
-        "max_length",
-        "tokenizer_kwargs",
-        "add_generation_prompt",
-        "continue_final_message",
-    }
-)
-
-
-async def render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
-    text = await render_messages(
+async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
+    inputs = await read_inputs(ctx, request, ChatCompletionRequest)
+    body = inputs.body
+    check_unsupported(body)
+    prompt_ids = await render_prompt(ctx, body)
+    params = sampling_params(
         ctx,
-        body.messages,
-        add_generation_prompt=body.add_generation_prompt,
-        continue_final_message=body.continue_final_message,
-        chat_template=body.chat_template,
-        chat_template_kwargs=body.chat_template_kwargs,
-        truncating=body.truncate_prompt_tokens is not None,
+        body,
+        [prompt_ids],
+        max_tokens=body.effective_max_tokens,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        logprobs_field="top_logprobs",
     )
-    keep = truncation(body.truncate_prompt_tokens, ctx.max_model_len)
-    return await ctx.encode(text, body.add_special_tokens, keep)
+    generation = ctx.submit(inputs, [prompt_ids], params)
+    generation.keep_logprobs = not body.stream and body.logprobs
+    view = ChatView(ctx, body, generation, f"chatcmpl-{inputs.request_id}", inputs.model)
+    return await respond(ctx, request, view)
 
 
 def check_unsupported(body: ChatCompletionRequest) -> None:
@@ -162,47 +53,15 @@ def check_unsupported(body: ChatCompletionRequest) -> None:
         )
 
 
-async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
-    body = await ctx.parse(request, ChatCompletionRequest)
-    model = ctx.resolve_model(body.model)
-    check_unsupported(body)
-    ctx.check_limits(body, 1)
-    request_id = ctx.request_id(request, body.request_id)
-    prompt_ids = await render_prompt(ctx, body)
-    max_tokens = body.effective_max_tokens
-    if max_tokens is None:
-        max_tokens = max(1, ctx.max_request_tokens - len(prompt_ids))
-    top_n = (body.top_logprobs or 0) if body.logprobs else None
-    params = build_sampling_params(
-        body,
-        max_tokens=max_tokens,
-        logprobs=top_n,
-        defaults=ctx.defaults,
-        vocab_size=ctx.renderer.vocab_size,
-        max_logprobs=ctx.config.max_logprobs,
-        logprobs_field="top_logprobs",
-    )
-    check_prompt_length(len(prompt_ids), max_tokens, ctx.max_model_len, ctx.max_request_tokens)
-    generation = ctx.generation(request, body, request_id, [prompt_ids], params)
-    generation.keep_logprobs = not body.stream and body.logprobs
-    ctx.start(generation, body.n)
-    headers = ctx.response_headers(generation, request_id)
-    view = _ChatView(ctx, body, generation, f"chatcmpl-{request_id}", model)
-    return await ctx.respond(request, generation, view, headers)
-
-
-class _ChatView(StreamingView):
+class ChatView(StreamingView):
     """Shapes one chat generation into OpenAI chunks or a response."""
+
+    body: ChatCompletionRequest
 
     def __init__(
         self, ctx: ServingContext, body: ChatCompletionRequest, gen: Generation, id_, model
     ):
-        self.ctx = ctx
-        self.body = body
-        self.gen = gen
-        self.id = id_
-        self.model = model
-        self.created = int(time.time())
+        super().__init__(ctx, body, gen, id_, model)
         last = body.messages[-1]
         self.role = "assistant" if body.add_generation_prompt else last.role
         self.echo = ""
@@ -214,7 +73,7 @@ class _ChatView(StreamingView):
         self.pending_logprobs: list[list[dict]] = [[] for _ in gen.choices]
         self.pending_ids: list[list[int]] = [[] for _ in gen.choices]
 
-    def _usage(self) -> dict:
+    def usage(self) -> dict:
         return usage(self.gen, self.ctx.config.enable_prompt_tokens_details)
 
     def _logprobs(self, rows) -> list[dict]:
@@ -222,7 +81,7 @@ class _ChatView(StreamingView):
             self.ctx.renderer, rows, self.top_n, self.body.return_tokens_as_token_ids
         )
 
-    def _chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         chunk = {
             "id": self.id,
             "object": "chat.completion.chunk",
@@ -230,11 +89,11 @@ class _ChatView(StreamingView):
             "model": self.model,
             "choices": choices,
         }
-        if usage_ is not None:
-            chunk["usage"] = usage_
+        if usage is not None:
+            chunk["usage"] = usage
         return chunk
 
-    def _stream_choices(self, d: ChoiceDelta) -> list[dict]:
+    def stream_choices(self, d: ChoiceDelta) -> list[dict]:
         """One delta as chunk choices: the role chunk first for a new choice (with its
         first token, never before), then one content chunk per token, as vLLM streams,
         even when the token's text is still held back."""
@@ -306,7 +165,7 @@ class _ChatView(StreamingView):
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": self._usage(),
+            "usage": self.usage(),
             "system_fingerprint": None,
             "prompt_logprobs": prompt_logprobs(
                 self.ctx.renderer, first.prompt_ids, first.prompt_logprobs, body.prompt_logprobs

@@ -1,24 +1,19 @@
-"""POST /v1/completions."""
+"""POST /v1/completions: inputs → prompts → sampling parameters → submit → respond."""
 
 from __future__ import annotations
-
-import time
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
-from frontend.limits import check_prompt_count
 from frontend.logprobs import CompletionLogprobs, prompt_logprobs
 from frontend.openai_models import CompletionRequest
-from frontend.sampling import (
-    build_sampling_params,
-    check_prompt_length,
-    check_token_ids,
-    truncation,
-)
-from frontend.serving import ServingContext, StreamingView
+from frontend.request_inputs import read_inputs
+from frontend.responses import respond
+from frontend.sampling import check_token_ids, sampling_params, truncation
+from frontend.serving import ServingContext
+from frontend.streaming_view import StreamingView
 from frontend.usage import usage
 
 
@@ -39,11 +34,12 @@ async def tokenize_prompts(ctx: ServingContext, body: CompletionRequest) -> list
     for p in prompts:
         if not p:
             raise APIError("prompt: a token-id prompt may not be empty", param="prompt")
-        check_token_ids(p, ctx.renderer.vocab_size, "prompt")
+        check_token_ids(p, ctx.vocab_size, "prompt")
     return [p[-keep:] for p in prompts] if keep else prompts
 
 
 def num_prompts(body: CompletionRequest) -> int:
+    """How many prompts the request holds (at most --max-prompts-per-request)."""
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         return len(prompt)
@@ -58,40 +54,34 @@ def prompt_texts(body: CompletionRequest) -> list[str | None]:
 
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
-    body = await ctx.parse(request, CompletionRequest)
-    model = ctx.resolve_model(body.model)
-    count = num_prompts(body)
-    check_prompt_count(count, ctx.limits)
-    ctx.check_limits(body, count)
-    request_id = ctx.request_id(request, body.request_id)
+    inputs = await read_inputs(ctx, request, CompletionRequest, num_prompts)
+    body = inputs.body
     prompts = await tokenize_prompts(ctx, body)
-    max_tokens = body.max_tokens if body.max_tokens is not None else 16
     # vLLM's echo with max_tokens 0: just the prompt. The engine still samples one
     # token (it computes the prompt logprobs on the way); the view drops it.
-    echo_only = max_tokens == 0
-    params = build_sampling_params(
+    echo_only = body.max_tokens == 0
+    params = sampling_params(
+        ctx,
         body,
-        max_tokens=max(max_tokens, 1),
+        prompts,
+        max_tokens=max(body.max_tokens, 1),
         logprobs=body.logprobs,
-        defaults=ctx.defaults,
-        vocab_size=ctx.renderer.vocab_size,
-        max_logprobs=ctx.config.max_logprobs,
         echo_logprobs=body.logprobs if body.echo else None,
     )
-    for p in prompts:
-        check_prompt_length(len(p), max(max_tokens, 1), ctx.max_model_len, ctx.max_request_tokens)
-    generation = ctx.generation(request, body, request_id, prompts, params)
+    generation = ctx.submit(inputs, prompts, params)
     generation.keep_logprobs = not body.stream and body.logprobs is not None
-    ctx.start(generation, body.n)
-    headers = ctx.response_headers(generation, request_id)
     # Echo shows a text prompt as written, unless it was cut to its last tokens.
     texts = prompt_texts(body) if body.truncate_prompt_tokens is None else None
-    view = _CompletionView(ctx, body, generation, f"cmpl-{request_id}", model, echo_only, texts)
-    return await ctx.respond(request, generation, view, headers)
+    view = CompletionView(
+        ctx, body, generation, f"cmpl-{inputs.request_id}", inputs.model, echo_only, texts
+    )
+    return await respond(ctx, request, view)
 
 
-class _CompletionView(StreamingView):
+class CompletionView(StreamingView):
     """Shapes one completion generation into OpenAI chunks or a response."""
+
+    body: CompletionRequest
 
     def __init__(
         self,
@@ -103,14 +93,9 @@ class _CompletionView(StreamingView):
         echo_only: bool,
         prompt_texts: list[str | None] | None,
     ) -> None:
-        self.ctx = ctx
-        self.body = body
-        self.gen = gen
-        self.id = id_
-        self.model = model
+        super().__init__(ctx, body, gen, id_, model)
         self.echo_only = echo_only
         self.prompt_texts = prompt_texts  # per prompt; None: decode the prompt ids
-        self.created = int(time.time())
         self.started: set[int] = set()  # choices whose prompt prefix was handled
         self.shown: set[int] = set()  # choices with a chunk sent
         # Token ids of text still held back (a partial character, a possible stop).
@@ -140,24 +125,24 @@ class _CompletionView(StreamingView):
             rec.offset = len(text)
         return text
 
-    def _usage(self) -> dict:
+    def usage(self) -> dict:
         return usage(
             self.gen,
             self.ctx.config.enable_prompt_tokens_details,
             count_generated=not self.echo_only,
         )
 
-    def _chunk(self, choices: list[dict], usage_: dict | None) -> dict:
+    def chunk(self, choices: list[dict], usage: dict | None) -> dict:
         return {
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": usage_,
+            "usage": usage,
         }
 
-    def _stream_choices(self, d: ChoiceDelta) -> list[dict]:
+    def stream_choices(self, d: ChoiceDelta) -> list[dict]:
         """One delta as a chunk's choice: one event per token, as vLLM streams, even
         when its text is still held back (a partial character, a possible stop
         string); nothing only when the delta carries nothing at all."""
@@ -219,6 +204,6 @@ class _CompletionView(StreamingView):
                     ),
                 }
             )
-        result = self._chunk(choices, self._usage())
+        result = self.chunk(choices, self.usage())
         result["system_fingerprint"] = None
         return result

@@ -9,16 +9,18 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.responses import Response
 
+from frontend.chat_prompt import render_messages
 from frontend.errors import APIError
 from frontend.openai_models import DetokenizeRequest, TokenizeRequest
+from frontend.request_inputs import parse_body
+from frontend.responses import json_response
 from frontend.sampling import check_token_ids
-from frontend.serving import ServingContext, json_response
-from frontend.serving_chat import render_messages
+from frontend.serving import ServingContext
 from frontend.tokenizer_pool import INLINE_CHARS
 
 
 async def tokenize(ctx: ServingContext, request: Request) -> Response:
-    body = await ctx.parse(request, TokenizeRequest)
+    body = await parse_body(ctx, request, TokenizeRequest)
     ctx.resolve_model(body.model)
     if body.messages is not None:
         text = await render_messages(
@@ -62,9 +64,9 @@ async def tokenize(ctx: ServingContext, request: Request) -> Response:
 
 
 async def detokenize(ctx: ServingContext, request: Request) -> Response:
-    body = await ctx.parse(request, DetokenizeRequest)
+    body = await parse_body(ctx, request, DetokenizeRequest)
     ctx.resolve_model(body.model)
-    check_token_ids(body.tokens, ctx.renderer.vocab_size, "tokens")
+    check_token_ids(body.tokens, ctx.vocab_size, "tokens")
     return json_response({"prompt": await ctx.decode(body.tokens)})
 
 
@@ -81,7 +83,7 @@ async def tokenizer_info(ctx: ServingContext, request: Request) -> Response:
         {
             "tokenizer_class": info.get("tokenizer_class") or type(tok).__name__,
             "model_max_length": max(int(info.get("model_max_length") or 0), ctx.max_model_len),
-            "vocab_size": ctx.renderer.vocab_size,
+            "vocab_size": ctx.vocab_size,
             "eos_token_ids": ctx.renderer.eos_token_ids,
         }
     )

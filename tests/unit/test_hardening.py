@@ -10,6 +10,7 @@ import time
 import pytest
 from jinja2 import TemplateError, TemplateSyntaxError
 
+from frontend.chat_prompt import template_error
 from frontend.engine_client import ClientConfig, EngineClient
 from frontend.errors import APIError
 from frontend.limits import (
@@ -19,7 +20,6 @@ from frontend.limits import (
     check_request_id,
     check_stop_strings,
 )
-from frontend.serving_chat import template_error
 from protocol.logs import setup_logging
 
 LIMITS = RequestLimits()

@@ -1,0 +1,122 @@
+"""The last step of a generation request: its SSE stream, or its JSON once done; and
+a client that goes away, either way, aborts the generation in its engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from urllib.parse import quote
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from frontend import sse
+from frontend.errors import APIError
+from frontend.generation import Generation
+from frontend.request_inputs import ClientDisconnected
+from frontend.serving import ServingContext
+from frontend.streaming_view import StreamingView
+
+log = logging.getLogger("zserve.api")
+
+
+async def respond(ctx: ServingContext, request: Request, view: StreamingView) -> Response:
+    """The response of a submitted generation, as the request asked for it."""
+    generation = view.gen
+    headers = {
+        "x-engine-rank": str(generation.engine.rank),
+        "x-api-server": str(ctx.client_index),
+    }
+    if ctx.config.enable_request_id_headers:
+        headers["x-request-id"] = header_safe(generation.request_id)
+    if view.body.stream:
+        return _stream(ctx, generation, view.events(), headers)
+    try:
+        await run_unless_disconnected(request, generation.drain)
+    finally:
+        ctx.finish(generation)
+    return json_response(view.response(), headers)
+
+
+def _stream(
+    ctx: ServingContext,
+    generation: Generation,
+    events: AsyncIterator[bytes],
+    headers: dict[str, str],
+) -> StreamingResponse:
+    """HTTP 200 first; a later error becomes an error event; [DONE] always ends it."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in events:
+                yield chunk
+        except APIError as e:
+            log.error("request %s failed mid-stream: %s", generation.request_id, e.message)
+            yield sse.event(e.body())
+        except Exception:
+            log.exception("request %s failed mid-stream", generation.request_id)
+            yield sse.event(APIError("internal server error", 500).body())
+        finally:
+            ctx.finish(generation)
+        yield sse.DONE
+
+    return _GenerationStream(
+        body(),
+        on_close=lambda: ctx.finish(generation),
+        media_type="text/event-stream",
+        headers=headers,
+    )
+
+
+class _GenerationStream(StreamingResponse):
+    """A stream whose generation is finished however the response ends: a client may
+    leave before the body iterator ever starts (its `finally` then never runs)."""
+
+    def __init__(self, content, *, on_close: Callable[[], None], **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+async def run_unless_disconnected(request: Request, fn: Callable[[], Awaitable[None]]) -> None:
+    """Run `fn` to the end, or raise ClientDisconnected as soon as the client leaves
+    (Starlette cancels only streaming responses on a disconnect)."""
+    task = asyncio.ensure_future(fn())
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        task.result()
+        return
+    task.cancel()
+    raise ClientDisconnected()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def header_safe(value: str) -> str:
+    """A client-chosen id as an HTTP header value: printable ASCII only."""
+    if value.isascii() and value.isprintable():
+        return value
+    return quote(value, safe="")
+
+
+def json_response(payload: dict, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(payload), media_type="application/json", headers=headers)
