@@ -1,11 +1,16 @@
-"""The Starlette application: routes, error handlers, middleware."""
+"""The Starlette application: the one table of routes, error handlers, middleware.
+
+`ROUTES` is the only list of what this server answers: the router, /openapi.json and
+the API key's open paths are all made from it."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import orjson
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -17,8 +22,16 @@ from frontend.errors import APIError, handle_api_error, handle_http_exception, h
 from frontend.http_limits import BodyLimitMiddleware
 from frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontend.middleware import APIKeyMiddleware, RequestIdMiddleware, add_user_middleware
+from frontend.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from frontend.openapi import build_openapi
-from frontend.serving import ClientDisconnected, ServingContext, json_response
+from frontend.request_inputs import ClientDisconnected, json_body
+from frontend.responses import json_response
+from frontend.serving import ServingContext
 from frontend.serving_chat import create_chat_completion
 from frontend.serving_completions import create_completion
 from frontend.serving_tokens import detokenize, tokenize, tokenizer_info
@@ -26,20 +39,6 @@ from frontend.serving_tokens import detokenize, tokenize, tokenizer_info
 VERSION = "0.1.0"
 
 Handler = Callable[[ServingContext, Request], Awaitable[Response]]
-
-
-def _bind(ctx: ServingContext, handler: Handler):
-    async def endpoint(request: Request) -> Response:
-        ctx.in_flight += 1
-        try:
-            return await handler(ctx, request)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        finally:
-            ctx.in_flight -= 1
-
-    endpoint.__name__ = handler.__name__
-    return endpoint
 
 
 async def list_models(ctx: ServingContext, request: Request) -> Response:
@@ -106,10 +105,6 @@ async def server_info(ctx: ServingContext, request: Request) -> Response:
     )
 
 
-async def ping(ctx: ServingContext, request: Request) -> Response:
-    return await health(ctx, request)
-
-
 async def load(ctx: ServingContext, request: Request) -> Response:
     """In-flight requests of the whole server (with --enable-server-load-tracking)."""
     server_load = ctx.admission.totals()[0] if ctx.config.enable_server_load_tracking else 0
@@ -122,7 +117,7 @@ async def metrics(ctx: ServingContext, request: Request) -> Response:
 
 async def invocations(ctx: ServingContext, request: Request) -> Response:
     """SageMaker's entry: a chat body goes to chat, a prompt body to completions."""
-    data = await ctx.json_body(request)
+    data = await json_body(ctx, request)
     if "messages" in data:
         return await create_chat_completion(ctx, request)
     if "prompt" in data:
@@ -133,31 +128,54 @@ async def invocations(ctx: ServingContext, request: Request) -> Response:
     )
 
 
+@dataclass(frozen=True)
+class RouteSpec:
+    path: str
+    handler: Handler
+    methods: tuple[str, ...] = ("GET",)
+    body: type[BaseModel] | None = None  # the documented JSON body of a POST
+    open: bool = False  # answered without the API key (probes and the scrape route)
+
+
+ROUTES: tuple[RouteSpec, ...] = (
+    RouteSpec("/v1/completions", create_completion, ("POST",), CompletionRequest),
+    RouteSpec("/v1/chat/completions", create_chat_completion, ("POST",), ChatCompletionRequest),
+    RouteSpec("/invocations", invocations, ("POST",), CompletionRequest | ChatCompletionRequest),
+    RouteSpec("/tokenize", tokenize, ("POST",), TokenizeRequest),
+    RouteSpec("/detokenize", detokenize, ("POST",), DetokenizeRequest),
+    RouteSpec("/tokenizer_info", tokenizer_info),
+    RouteSpec("/v1/models", list_models),
+    RouteSpec("/health", health, open=True),
+    RouteSpec("/live", live, open=True),
+    RouteSpec("/ping", health, ("GET", "POST"), open=True),
+    RouteSpec("/load", load),
+    RouteSpec("/version", version, open=True),
+    RouteSpec("/server_info", server_info),
+    RouteSpec("/metrics", metrics, open=True),
+    RouteSpec("/metrics/", metrics, open=True),
+)
+OPEN_PATHS = frozenset(r.path for r in ROUTES if r.open)
+
+
+def _bind(ctx: ServingContext, handler: Handler):
+    async def endpoint(request: Request) -> Response:
+        ctx.in_flight += 1
+        try:
+            return await handler(ctx, request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            ctx.in_flight -= 1
+
+    endpoint.__name__ = handler.__name__
+    return endpoint
+
+
 def build_app(ctx: ServingContext) -> Starlette:
     config = ctx.config
-
-    def route(path: str, handler: Handler, methods: list[str]) -> Route:
-        return Route(path, _bind(ctx, handler), methods=methods)
-
-    routes = [
-        route("/v1/completions", create_completion, ["POST"]),
-        route("/v1/chat/completions", create_chat_completion, ["POST"]),
-        route("/invocations", invocations, ["POST"]),
-        route("/tokenize", tokenize, ["POST"]),
-        route("/detokenize", detokenize, ["POST"]),
-        route("/tokenizer_info", tokenizer_info, ["GET"]),
-        route("/v1/models", list_models, ["GET"]),
-        route("/health", health, ["GET"]),
-        route("/live", live, ["GET"]),
-        route("/ping", ping, ["GET", "POST"]),
-        route("/load", load, ["GET"]),
-        route("/version", version, ["GET"]),
-        route("/server_info", server_info, ["GET"]),
-        route("/metrics", metrics, ["GET"]),
-        route("/metrics/", metrics, ["GET"]),
-    ]
+    routes = [Route(r.path, _bind(ctx, r.handler), methods=list(r.methods)) for r in ROUTES]
     if not config.disable_fastapi_docs:
-        document = orjson.dumps(build_openapi(VERSION, config.root_path))
+        document = orjson.dumps(build_openapi(ROUTES, VERSION, config.root_path))
         routes.append(
             Route(
                 "/openapi.json",
@@ -176,7 +194,12 @@ def build_app(ctx: ServingContext) -> Starlette:
     for dotted in config.middleware:
         add_user_middleware(app, dotted)
     if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key, root_path=config.root_path)
+        app.add_middleware(
+            APIKeyMiddleware,
+            api_key=config.api_key,
+            open_paths=OPEN_PATHS,
+            root_path=config.root_path,
+        )
     if config.enable_request_id_headers:
         app.add_middleware(RequestIdMiddleware)
     if config.allowed_origins:

@@ -13,17 +13,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from frontend.errors import error_response
 
-# Probes and the scrape route stay open, as do CORS preflights.
-OPEN_PATHS = frozenset({"/health", "/live", "/ping", "/version", "/metrics", "/metrics/"})
-
 
 class APIKeyMiddleware:
-    """Every route needs `Authorization: Bearer <key>` except OPEN_PATHS; compared in
-    constant time so the key cannot be guessed byte by byte from response times."""
+    """Every route needs `Authorization: Bearer <key>` except `open_paths` (the probes
+    and the scrape route, from app.ROUTES) and CORS preflights; compared in constant
+    time so the key cannot be guessed byte by byte from response times."""
 
-    def __init__(self, app: ASGIApp, api_key: str, root_path: str = "") -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str, open_paths: frozenset[str], root_path: str = ""
+    ) -> None:
         self.app = app
         self.expected = api_key.encode()
+        self.open_paths = open_paths
         self.root_path = root_path
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -33,7 +34,7 @@ class APIKeyMiddleware:
         path = scope["path"]
         if self.root_path and path.startswith(self.root_path):
             path = path[len(self.root_path) :] or "/"
-        if path in OPEN_PATHS:
+        if path in self.open_paths:
             await self.app(scope, receive, send)
             return
         given = b""

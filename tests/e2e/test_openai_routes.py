@@ -22,6 +22,7 @@ from e2e_http import (
     wait_for,
 )
 
+from frontend.app import ROUTES
 from frontend.openai_models import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 
 pytestmark = pytest.mark.timeout(120)
@@ -250,6 +251,10 @@ def test_openapi_document_is_generated_from_the_request_models(http):
     schemas = doc["components"]["schemas"]
     for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest):
         assert set(schemas[model.__name__]["properties"]) == set(model.model_fields), model
+    # One route table: every route the server answers is documented, nothing else is.
+    assert set(doc["paths"]) == {route.path for route in ROUTES}
+    for route in ROUTES:
+        assert set(doc["paths"][route.path]) == {m.lower() for m in route.methods}
 
 
 # --- /metrics (§5 items 53-55) -------------------------------------------------------

@@ -27,8 +27,7 @@ import yaml
 from kubernetes_validate import utils as kv_utils
 from referencing import Registry, Resource
 
-from frontend.app import build_app
-from frontend.middleware import OPEN_PATHS
+from frontend.app import OPEN_PATHS, build_app
 from launcher.cli import build_parser
 from launcher.serve_args import refuse_unsupported
 from launcher.supervisor import frontend_config
