@@ -20,7 +20,7 @@ from frontend.limits import (
     check_stop_strings,
 )
 from frontend.serving_chat import template_error
-from protocol.logs import setup_logging
+from launcher.logs import setup_logging
 
 LIMITS = RequestLimits()
 
