@@ -22,11 +22,10 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from engine_core.memory import release_free_memory
 from engine_core.process_config import EngineProcConfig
 from protocol import codec
 from protocol.handshake import EngineHello, EnginePlan, decode_handshake, encode_handshake
-from protocol.lifecycle import die_with_parent, name_process, pin_to_cpus, release_free_memory
-from protocol.logs import setup_logging
 from protocol.messages import (
     ENGINE_CORE_DEAD,
     PROTOCOL_VERSION,
@@ -491,11 +490,8 @@ class EngineCoreProc:
 
 
 def run_engine_core(cfg: EngineProcConfig) -> int:
-    """Process entry point of one engine core (spawned by the supervisor or headless)."""
-    setup_logging(f"engine{cfg.rank}", cfg.log_level)
-    die_with_parent(cfg.parent_pid)
-    name_process(f"zserve-engine{cfg.rank}")
-    pin_to_cpus(cfg.cpus)  # before torch starts its threads
+    """Process entry point of one engine core (spawned by the supervisor or headless),
+    once the launcher has set the process up (launcher/child_main.py)."""
     proc = EngineCoreProc(cfg)
 
     def on_signal(signum, frame):

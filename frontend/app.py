@@ -97,6 +97,7 @@ async def server_info(ctx: ServingContext, request: Request) -> Response:
             "api_server_count": ctx.config.api_server_count,
             "pid": ctx.pid,
             "torch_imported": "torch" in sys.modules,
+            "engine_core_imported": any(m.split(".")[0] == "engine_core" for m in sys.modules),
             "model": ctx.model_name,
             "max_model_len": ctx.max_model_len,
             "in_flight": ctx.in_flight,

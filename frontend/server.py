@@ -17,16 +17,16 @@ import uvicorn
 from frontend.admission import Admission
 from frontend.app import build_app
 from frontend.config import APIServerConfig
+from frontend.control import ControlMessage, EndpointsBound, EngineDead, Serving
 from frontend.engine_client import ClientConfig, EngineClient
 from frontend.errors import APIError
 from frontend.http_limits import guarded_protocol
+from frontend.memory import release_free_memory
 from frontend.metrics import Metrics
 from frontend.renderer import Renderer
 from frontend.serving import ServingContext
 from frontend.stats_logger import log_stats_forever
 from frontend.tokenizer_pool import TokenizerPool
-from protocol.lifecycle import die_with_parent, name_process, pin_to_cpus, release_free_memory
-from protocol.logs import setup_logging
 from protocol.sockets import is_ipv6
 
 log = logging.getLogger("zserve.api")
@@ -62,7 +62,7 @@ class APIServer:
             )
         )
         self.client.on_engine_dead = self.on_engine_dead
-        self.report(("addresses", self.client.input_address, self.client.output_address))
+        self.report(EndpointsBound(self.client.input_address, self.client.output_address))
         self.renderer = Renderer(fc.tokenizer_dir, fc.model_dir, fc.chat_template)
         self.admission = Admission(
             cfg.admission_path,
@@ -85,7 +85,7 @@ class APIServer:
         self.tasks: list[asyncio.Task] = []
         self.draining: asyncio.Task | None = None
 
-    def report(self, message: tuple) -> None:
+    def report(self, message: ControlMessage) -> None:
         if self.pipe is not None:
             try:
                 self.pipe.send(message)
@@ -94,7 +94,7 @@ class APIServer:
 
     def on_engine_dead(self, engine) -> None:
         """Tell the supervisor, which stops the server so an orchestrator restarts it."""
-        self.report(("engine_dead", engine.rank, engine.dead_reason))
+        self.report(EngineDead(engine.rank, engine.dead_reason))
 
     def on_control_message(self) -> None:
         """Messages from the supervisor on our pipe."""
@@ -103,10 +103,8 @@ class APIServer:
         except (EOFError, OSError):
             asyncio.get_running_loop().remove_reader(self.pipe.fileno())
             return
-        if message[0] == "engine_dead":
-            _, rank, reason = message
-            if 0 <= rank < len(self.client.engines):
-                self.client.mark_dead(self.client.engines[rank], reason)
+        if isinstance(message, EngineDead) and 0 <= message.rank < len(self.client.engines):
+            self.client.mark_dead(self.client.engines[message.rank], message.reason)
 
     async def serve(self) -> None:
         fc = self.cfg.frontend
@@ -140,7 +138,7 @@ class APIServer:
         sock = listen_socket(fc.host, fc.port)
         gc.collect()
         gc.freeze()  # start-up objects never need scanning again
-        self.report(("serving", os.getpid()))
+        self.report(Serving(os.getpid()))
         log.info("API server %d serving on port %d", self.cfg.client_index, fc.port)
         try:
             await self.server.serve(sockets=[sock])
@@ -204,11 +202,8 @@ class _Server(uvicorn.Server):
 
 
 def run_api_server(cfg: APIServerConfig, pipe: Connection | None = None) -> None:
-    """Process entry point of one API server."""
-    setup_logging(f"api{cfg.client_index}", cfg.frontend.log_level)
-    die_with_parent(cfg.parent_pid)
-    name_process(f"zserve-api{cfg.client_index}")
-    pin_to_cpus(cfg.cpus)
+    """Process entry point of one API server, once the launcher has set the process up
+    (launcher/child_main.py)."""
     import uvloop
 
     uvloop.install()

@@ -1,13 +1,12 @@
-"""`zserve serve`: flags (vLLM's names and meanings) → typed configs.
+"""`zserve serve`'s flags: vLLM's names and meanings, each value checked as it is parsed.
 
-This is the one place where configuration is parsed; everything below it gets
-EngineConfig / FrontendConfig objects.
+launcher/plan.py turns the parsed flags into the typed launch plan; nothing else
+reads them.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 
 from frontend.limits import RequestLimits
@@ -433,55 +432,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from launcher.supervisor import serve
+    from launcher.serve import serve
 
     return serve(args)
-
-
-def refuse_unsupported(args: argparse.Namespace) -> str | None:
-    """A clear message for flags zserve deliberately does not support."""
-    if args.trust_remote_code:
-        return (
-            "--trust-remote-code is refused: zserve never runs code shipped with a model; "
-            "it serves the architectures it supports natively"
-        )
-    if args.tensor_parallel_size != 1:
-        return (
-            f"--tensor-parallel-size {args.tensor_parallel_size} is not supported: zserve "
-            f"runs one device per engine; scale out with --data-parallel-size"
-        )
-    local = args.data_parallel_size_local
-    if local is not None and not 0 <= local <= args.data_parallel_size:
-        return (
-            f"--data-parallel-size-local {local} must be between 0 and "
-            f"--data-parallel-size {args.data_parallel_size}"
-        )
-    for flag, cpus in (
-        ("--engine-cpus", args.engine_cpus),
-        ("--api-server-cpus", args.api_server_cpus),
-    ):
-        missing = sorted(set(cpus or []) - set(usable_cpus()))
-        if missing:
-            return f"{flag}: CPUs {missing} are not available to this process ({usable_cpus()})"
-    if args.headless and (local is None or local < 1):
-        return "--headless needs --data-parallel-size-local >= 1 (engines to start here)"
-    remote = local is not None and local < args.data_parallel_size
-    if (remote or args.headless) and (
-        args.data_parallel_address is None or args.data_parallel_rpc_port is None
-    ):
-        return (
-            "engines on other nodes need --data-parallel-address and --data-parallel-rpc-port "
-            "(the head's address and handshake port)"
-        )
-    return None
-
-
-def usable_cpus() -> list[int]:
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:
-        return list(range(os.cpu_count() or 1))
-
-
-def usable_cores() -> int:
-    return len(usable_cpus())

@@ -64,12 +64,12 @@ def test_every_api_server_answers_and_every_engine_serves(mesh):
     assert engines == {"0", "1"}
 
 
-def test_running_api_servers_have_not_imported_torch(mesh):
+def test_running_api_servers_have_not_imported_torch_or_engine_core(mesh):
     seen = {}
     for _ in range(40):
         info = server_info(mesh.base_url)
-        seen[info["api_server_index"]] = info["torch_imported"]
-    assert seen == {0: False, 1: False}
+        seen[info["api_server_index"]] = (info["torch_imported"], info["engine_core_imported"])
+    assert seen == {0: (False, False), 1: (False, False)}
 
 
 def test_client_disconnect_mid_stream_aborts_the_request_in_the_engine(mesh):

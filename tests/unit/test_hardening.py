@@ -20,7 +20,7 @@ from frontend.limits import (
     check_request_id,
     check_stop_strings,
 )
-from protocol.logs import setup_logging
+from launcher.logs import setup_logging
 
 LIMITS = RequestLimits()
 

@@ -29,8 +29,7 @@ from referencing import Registry, Resource
 
 from frontend.app import OPEN_PATHS, build_app
 from launcher.cli import build_parser
-from launcher.serve_args import refuse_unsupported
-from launcher.supervisor import frontend_config
+from launcher.plan import LaunchPlan, build_plan, refuse_unsupported
 from protocol.keys import KEY_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -282,8 +281,9 @@ def zserve_argv(container: dict, env: dict[str, str], tmp_path: Path) -> list[st
     return record.read_bytes().decode().split("\0")[:-1]
 
 
-def parse_zserve(argv: list[str], env: dict[str, str]) -> argparse.Namespace:
-    """zserve's own parser, run under the container's environment."""
+def parse_zserve(argv: list[str], env: dict[str, str]) -> tuple[argparse.Namespace, LaunchPlan]:
+    """zserve's own parser and launch plan, under the container's environment (--api-key
+    falls back to $ZSERVE_API_KEY when the plan is built)."""
     with pytest.MonkeyPatch.context() as m:
         if "ZSERVE_API_KEY" in env:
             m.setenv("ZSERVE_API_KEY", env["ZSERVE_API_KEY"])
@@ -293,10 +293,12 @@ def parse_zserve(argv: list[str], env: dict[str, str]) -> argparse.Namespace:
             args = build_parser().parse_args(argv)
         except SystemExit:
             pytest.fail(f"zserve refuses the command line {argv}")
-    assert args.command == "serve"
-    problem = refuse_unsupported(args)
-    assert problem is None, problem
-    return args
+        assert args.command == "serve"
+        problem = refuse_unsupported(args)
+        assert problem is None, problem
+        # The model folder is on a volume the cluster mounts: take it as found.
+        plan = build_plan(args, args.model, args.model)
+    return args, plan
 
 
 @dataclass
@@ -310,6 +312,7 @@ class Pod:
     container: dict
     argv: list[str]
     args: argparse.Namespace
+    plan: LaunchPlan
 
 
 def pods(tmp_path: Path) -> list[Pod]:
@@ -320,7 +323,7 @@ def pods(tmp_path: Path) -> list[Pod]:
         (container,) = template["spec"]["containers"]
         env = container_env(container, injected)
         argv = zserve_argv(container, env, tmp_path)
-        args = parse_zserve(argv, env)
+        args, plan = parse_zserve(argv, env)
         found.append(
             Pod(
                 kind=kind,
@@ -330,6 +333,7 @@ def pods(tmp_path: Path) -> list[Pod]:
                 container=container,
                 argv=argv,
                 args=args,
+                plan=plan,
             )
         )
 
@@ -388,10 +392,7 @@ def test_heads_read_the_api_key_from_a_secret(all_pods):
     for pod in heads(all_pods):
         (var,) = [v for v in pod.container["env"] if v["name"] == "ZSERVE_API_KEY"]
         assert var["valueFrom"]["secretKeyRef"]["name"] == "zserve-api-key"
-        with pytest.MonkeyPatch.context() as m:  # the container's environment
-            m.setenv("ZSERVE_API_KEY", SAMPLE_VALUES["secret"])
-            api_key = frontend_config(pod.args, pod.args.model, pod.args.model).api_key
-        assert api_key == SAMPLE_VALUES["secret"], pod.where
+        assert pod.plan.frontend.api_key == SAMPLE_VALUES["secret"], pod.where
         assert pod.args.served_model_name, f"{pod.where}: clients need a stable model name"
 
 
@@ -405,8 +406,7 @@ def _port_number(container: dict, port) -> int:
 def test_probes_hit_open_zserve_routes_on_the_serving_port(all_pods):
     for pod in heads(all_pods):
         c, args = pod.container, pod.args
-        fc = frontend_config(args, args.model, args.model)
-        app = build_app(SimpleNamespace(config=fc))  # the routes; nothing is served
+        app = build_app(SimpleNamespace(config=pod.plan.frontend))  # the routes; nothing is served
         routes = {route.path for route in app.routes}
         expected = {"readinessProbe": "/health", "livenessProbe": "/live", "startupProbe": "/live"}
         for probe, path in expected.items():
@@ -440,7 +440,7 @@ def _pre_stop_seconds(container: dict) -> int:
 
 def test_the_grace_period_covers_the_drain(all_pods):
     """preStop, then --shutdown-timeout for requests, then the supervisor's 10 s for
-    API servers and 10 s for engines (launcher/supervisor.py shutdown)."""
+    API servers and 10 s for engines (launcher/supervisor.py shutdown, STOP_GRACE_S)."""
     for pod in all_pods:
         grace = pod.spec["terminationGracePeriodSeconds"]
         drain = 0 if pod.args.headless else pod.args.shutdown_timeout + 10

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from launcher import serve_args
+from launcher import plan, serve_args
 from launcher.models import ModelNotFoundError, resolve_model
-from launcher.supervisor import _share, engine_threads
+from launcher.plan import cpu_share, engine_threads, refuse_unsupported
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -31,33 +31,33 @@ def parse(*argv: str) -> argparse.Namespace:
     ],
 )
 def test_unsupported_combinations_are_refused_with_a_clear_message(argv, words):
-    problem = serve_args.refuse_unsupported(parse(*argv))
+    problem = refuse_unsupported(parse(*argv))
     assert problem is not None and all(w in problem for w in words), problem
 
 
 def test_a_plain_serve_is_not_refused():
-    assert serve_args.refuse_unsupported(parse("m")) is None
+    assert refuse_unsupported(parse("m")) is None
 
 
 def test_cpu_lists_and_even_shares():
     assert serve_args.cpu_list("0-3,6") == [0, 1, 2, 3, 6]
     with pytest.raises(argparse.ArgumentTypeError):
         serve_args.cpu_list("a-b")
-    assert _share([2, 3, 4, 5], 1, 2) == [4, 5]
-    assert _share([1], 0, 2) == [1]  # too few to split: both share it
-    assert _share(None, 0, 2) is None
+    assert cpu_share([2, 3, 4, 5], 1, 2) == [4, 5]
+    assert cpu_share([1], 0, 2) == [1]  # too few to split: both share it
+    assert cpu_share(None, 0, 2) is None
 
 
 def test_engine_threads_leave_a_core_per_api_server_after_the_first(monkeypatch):
-    monkeypatch.setattr(serve_args, "usable_cpus", lambda: list(range(8)))
-    monkeypatch.setattr("launcher.supervisor.usable_cores", lambda: 8)
+    monkeypatch.setattr(plan, "usable_cpus", lambda: list(range(8)))
+    monkeypatch.setattr(plan, "usable_cores", lambda: 8)
     assert engine_threads(parse("m", "--api-server-count", "2"), local_engines=2) == 3
     assert engine_threads(parse("m", "--api-server-count", "3"), local_engines=1) == 6
     assert engine_threads(parse("m"), local_engines=1) == 8
     assert engine_threads(parse("m", "--headless"), local_engines=1) == 8
     assert engine_threads(parse("m", "--cpu-threads", "5"), local_engines=1) == 5
     assert engine_threads(parse("m", "--engine-cpus", "0-3"), local_engines=2) == 2
-    monkeypatch.setattr("launcher.supervisor.usable_cores", lambda: 2)
+    monkeypatch.setattr(plan, "usable_cores", lambda: 2)
     assert engine_threads(parse("m", "--api-server-count", "4", "-dp", "2"), 2) == 1
     assert engine_threads(parse("m"), local_engines=1) == 2
 
@@ -104,7 +104,7 @@ def test_help_never_prints_the_api_key_from_the_environment(monkeypatch, capsys)
     with pytest.raises(SystemExit):
         parse("--help")
     assert "sk-secret-from-env" not in capsys.readouterr().out
-    assert parse("m").api_key is None  # read at start-up by the supervisor, never shown
+    assert parse("m").api_key is None  # read at start-up by the launch plan, never shown
 
 
 def test_every_limit_flag_has_a_safe_default():

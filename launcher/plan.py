@@ -1,0 +1,325 @@
+"""`zserve serve`'s flags → one typed launch plan.
+
+The one place where the parsed flags are read: every alias and every default that
+depends on another flag is settled here, and the supervisor, the API servers and the
+engines get typed configs (LaunchPlan, FrontendConfig, EngineConfig), never the
+argparse namespace. The namespace itself is never changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+from dataclasses import dataclass
+
+from engine_core.config import EngineConfig
+from frontend.config import FrontendConfig
+from frontend.limits import RequestLimits
+from launcher.models import ModelNotFoundError, resolve_model
+from protocol.sockets import ipc_address, tcp_address
+
+log = logging.getLogger("zserve.supervisor")
+
+# vLLM's spellings of a dtype → the one each engine understands.
+_DTYPES = {"half": "float16", "float": "float32", "bf16": "bfloat16"}
+
+
+class LaunchRefused(ValueError):
+    """A command line zserve will not run; the message says why, naming the flag."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which processes this node runs, and where the others are."""
+
+    data_parallel_size: int  # engines in the whole server, on every node
+    local_engines: int  # engines started on this node (-dpl; default: all of them)
+    start_rank: int  # the first local engine's rank (-dpr)
+    api_server_count: int  # API servers on this node (default: the data-parallel size)
+    headless: bool  # engines only: no HTTP, they join a head node
+    head_address: str | None  # --data-parallel-address: the head's, for remote engines
+    rpc_port: int | None  # --data-parallel-rpc-port: the head's handshake port
+
+    @property
+    def all_local(self) -> bool:
+        """Every engine runs beside the API servers: ipc:// sockets, no keys."""
+        return self.local_engines == self.data_parallel_size and not self.headless
+
+    @property
+    def local_ranks(self) -> range:
+        return range(self.start_rank, self.start_rank + self.local_engines)
+
+    def handshake_address(self, runtime_dir: str) -> str:
+        """Where the head's handshake socket binds and every engine connects."""
+        if self.all_local:
+            return ipc_address(runtime_dir, "handshake")
+        return tcp_address(self.head_address, self.rpc_port)
+
+    def data_address(self, runtime_dir: str, name: str) -> str:
+        """Where an API server binds one of its data sockets (any free port over TCP)."""
+        if self.all_local:
+            return ipc_address(runtime_dir, name)
+        return tcp_address(self.head_address, 0)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What one `zserve serve` runs: the configs handed down, and the supervisor's own."""
+
+    topology: Topology
+    engine: EngineConfig  # every local engine's, less its rank
+    frontend: FrontendConfig | None  # every API server's; None when headless
+    log_level: str
+    engine_ready_timeout_s: float  # every engine's READY (a worker: the head and its keys)
+    engine_keys_dir: str | None  # CURVE keys for TCP engine links (None: the default folder)
+    engine_cpus: list[list[int] | None]  # each local engine's pins (--engine-cpus, shared)
+    api_server_cpus: list[int] | None  # pins shared by the API servers
+
+
+def plan_launch(args: argparse.Namespace) -> LaunchPlan:
+    """The whole plan of `zserve serve ARGS`: refusals first, then the model's folders
+    (building the default model if none is named), then the configs."""
+    problem = refuse_unsupported(args)
+    if problem:
+        raise LaunchRefused(problem)
+    try:
+        model_dir = _model_dir(args)
+        tokenizer_dir = (
+            resolve_model(args.tokenizer, args.revision) if args.tokenizer else model_dir
+        )
+    except ModelNotFoundError as e:
+        raise LaunchRefused(str(e)) from None
+    return build_plan(args, model_dir, tokenizer_dir)
+
+
+def build_plan(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) -> LaunchPlan:
+    """The plan for model and tokenizer folders already found."""
+    topology = topology_of(args)
+    frontend = None
+    if not topology.headless:
+        frontend = frontend_config(args, topology, model_dir, tokenizer_dir)
+    return LaunchPlan(
+        topology=topology,
+        engine=engine_config(args, topology, model_dir),
+        frontend=frontend,
+        log_level=args.log_level,
+        engine_ready_timeout_s=args.engine_ready_timeout,
+        engine_keys_dir=args.engine_keys,
+        engine_cpus=[
+            cpu_share(args.engine_cpus, i, topology.local_engines)
+            for i in range(topology.local_engines)
+        ],
+        api_server_cpus=args.api_server_cpus,
+    )
+
+
+def topology_of(args: argparse.Namespace) -> Topology:
+    dp = args.data_parallel_size
+    local = args.data_parallel_size_local
+    api_servers = args.api_server_count
+    return Topology(
+        data_parallel_size=dp,
+        local_engines=dp if local is None else local,
+        start_rank=args.data_parallel_start_rank,
+        api_server_count=dp if api_servers is None else api_servers,
+        headless=args.headless,
+        head_address=args.data_parallel_address,
+        rpc_port=args.data_parallel_rpc_port,
+    )
+
+
+def engine_config(args: argparse.Namespace, topology: Topology, model_dir: str) -> EngineConfig:
+    # engine_threads reads the API-server count from the flags: give it the settled one.
+    settled = copy.copy(args)
+    settled.api_server_count = topology.api_server_count
+    return EngineConfig(
+        model=model_dir,
+        dtype=_DTYPES.get(args.dtype, args.dtype),
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        seed=args.seed,
+        cpu_threads=engine_threads(settled, topology.local_engines),
+        model_impl="native" if args.model_impl == "vllm" else args.model_impl,
+        cpu_kernels=args.cpu_kernels,
+        max_logprobs=args.max_logprobs,
+        data_parallel_size_local=max(topology.local_engines, 1),
+    )
+
+
+def frontend_config(
+    args: argparse.Namespace, topology: Topology, model_dir: str, tokenizer_dir: str
+) -> FrontendConfig:
+    return FrontendConfig(
+        model_dir=model_dir,
+        tokenizer_dir=tokenizer_dir,
+        served_model_names=args.served_model_name or [args.model or "zserve-default"],
+        host=args.host,
+        port=args.port,
+        api_server_count=topology.api_server_count,
+        num_engines=topology.data_parallel_size,
+        engine_ready_timeout_s=args.engine_ready_timeout,
+        engine_heartbeat_timeout_s=args.engine_heartbeat_timeout,
+        log_level=args.log_level,
+        uvicorn_log_level=args.uvicorn_log_level,
+        max_logprobs=args.max_logprobs,
+        chat_template=_chat_template(args.chat_template),
+        trust_request_chat_template=args.trust_request_chat_template,
+        enable_request_id_headers=args.enable_request_id_headers,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        force_include_usage=args.enable_force_include_usage,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        enable_server_load_tracking=args.enable_server_load_tracking,
+        disable_fastapi_docs=args.disable_fastapi_docs,
+        # --disable-log-requests: older vLLM command lines; request lines are off by default.
+        enable_log_requests=args.enable_log_requests and not args.disable_log_requests,
+        disable_log_stats=args.disable_log_stats,
+        # Read here, never by the parser, so --help cannot print it.
+        api_key=args.api_key or os.environ.get("ZSERVE_API_KEY") or None,
+        allowed_origins=args.allowed_origins,
+        allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+        allow_credentials=args.allow_credentials,
+        root_path=args.root_path,
+        middleware=args.middleware,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        sse_keep_alive_interval=args.sse_keep_alive_interval,
+        stream_interval=args.stream_interval,
+        max_num_queued_reqs=args.max_num_queued_reqs,
+        max_num_queued_tokens=args.max_num_queued_tokens,
+        metrics_prefix=args.metrics_prefix,
+        scheduling_policy=args.scheduling_policy,
+        shutdown_timeout=args.shutdown_timeout,
+        limits=request_limits(args),
+        tokenizer_pool_size=args.tokenizer_pool_size,
+        tokenize_timeout_s=args.tokenize_timeout,
+    )
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(
+        max_body_bytes=args.max_request_body_bytes,
+        max_header_bytes=args.max_header_bytes,
+        max_header_count=args.max_header_count,
+        header_timeout_s=args.header_read_timeout,
+        body_timeout_s=args.body_read_timeout,
+        max_prompt_chars=args.max_prompt_chars,
+        max_prompts=args.max_prompts_per_request,
+        max_sequences=args.max_sequences_per_request,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_chars=args.max_stop_string_length,
+        max_request_id_chars=args.max_request_id_length,
+        max_messages=args.max_chat_messages,
+    )
+
+
+def _chat_template(flag: str | None) -> str | None:
+    """--chat-template is a file, or else the template itself."""
+    if flag is not None and os.path.isfile(flag):
+        with open(flag) as f:
+            return f.read()
+    return flag
+
+
+def _model_dir(args: argparse.Namespace) -> str:
+    if args.model is not None:
+        return resolve_model(args.model, args.revision)
+    from launcher.tiny_model import ensure_default_model
+
+    folder = ensure_default_model()
+    log.info(
+        "no MODEL given: serving the built-in default model at %s "
+        "(a small Llama with RANDOM weights: its text is gibberish; pass a model folder "
+        "or a cached Hugging Face id to serve a real one)",
+        folder,
+    )
+    return str(folder)
+
+
+def engine_threads(args: argparse.Namespace, local_engines: int) -> int:
+    """CPU threads per engine (its CPU kernels' pool, or torch's where those do not run
+    the forward): the usable cores less one for each local API server after the first,
+    shared by the local engines, at least one.
+
+    The first API server shares the cores with the engine: it needs a fraction of a
+    core, and the kernels' pool gives way to it (idle threads sleep after 50 us; no
+    loop waits for a thread that has not started on it). On 2 cores, 1 API server and
+    `vllm bench serve` beside them, two engine threads served a median 5,135 tok/s
+    against one thread's 4,056 at concurrency 128 and 3,434 against 3,547 at 32, with a
+    lower ITL p99 at both (3 alternating rounds, torch's OpenMP threads then;
+    BENCHMARKS.md).
+    """
+    if args.cpu_threads is not None:
+        return args.cpu_threads
+    if args.engine_cpus:
+        return max(1, len(args.engine_cpus) // max(local_engines, 1))
+    api_servers = 0 if args.headless else (args.api_server_count or 1)
+    reserved = max(0, api_servers - 1)
+    return max(1, (usable_cores() - reserved) // max(local_engines, 1))
+
+
+def refuse_unsupported(args: argparse.Namespace) -> str | None:
+    """A clear message for flags zserve deliberately does not support."""
+    if args.trust_remote_code:
+        return (
+            "--trust-remote-code is refused: zserve never runs code shipped with a model; "
+            "it serves the architectures it supports natively"
+        )
+    if args.tensor_parallel_size != 1:
+        return (
+            f"--tensor-parallel-size {args.tensor_parallel_size} is not supported: zserve "
+            f"runs one device per engine; scale out with --data-parallel-size"
+        )
+    local = args.data_parallel_size_local
+    if local is not None and not 0 <= local <= args.data_parallel_size:
+        return (
+            f"--data-parallel-size-local {local} must be between 0 and "
+            f"--data-parallel-size {args.data_parallel_size}"
+        )
+    for flag, cpus in (
+        ("--engine-cpus", args.engine_cpus),
+        ("--api-server-cpus", args.api_server_cpus),
+    ):
+        missing = sorted(set(cpus or []) - set(usable_cpus()))
+        if missing:
+            return f"{flag}: CPUs {missing} are not available to this process ({usable_cpus()})"
+    if args.headless and (local is None or local < 1):
+        return "--headless needs --data-parallel-size-local >= 1 (engines to start here)"
+    remote = local is not None and local < args.data_parallel_size
+    if (remote or args.headless) and (
+        args.data_parallel_address is None or args.data_parallel_rpc_port is None
+    ):
+        return (
+            "engines on other nodes need --data-parallel-address and --data-parallel-rpc-port "
+            "(the head's address and handshake port)"
+        )
+    return None
+
+
+def cpu_share(cpus: list[int] | None, index: int, count: int) -> list[int] | None:
+    """Engine `index` of `count`'s even share of --engine-cpus (all of them if too few)."""
+    if not cpus:
+        return None
+    per = len(cpus) // count
+    return cpus[index * per : (index + 1) * per] if per else cpus
+
+
+def usable_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return list(range(os.cpu_count() or 1))
+
+
+def usable_cores() -> int:
+    return len(usable_cpus())
