@@ -13,10 +13,9 @@ from __future__ import annotations
 import torch
 
 from engine_core.cpu_kernels import CpuKernels
-from engine_core.logits_processors import apply_processors
+from engine_core.logits_processors import NEG_INF, apply_processors
 from engine_core.request import Request
 
-_NEG_INF = float("-inf")
 # top_p without top_k first looks for the nucleus among this many best tokens; only
 # rows whose nucleus is wider fall back to sorting the whole vocabulary (slow on CPU).
 _TOP_P_HEAD = 256
@@ -62,7 +61,7 @@ class Sampler:
         if any(min_p):
             probs = torch.softmax(logits, dim=-1)
             floor = torch.tensor(min_p, device=dev)[:, None] * probs.amax(dim=-1, keepdim=True)
-            logits.masked_fill_(probs < floor, _NEG_INF)
+            logits.masked_fill_(probs < floor, NEG_INF)
         rows = [i for i, r in enumerate(requests) if r.params.top_k > 0 or r.params.top_p < 1]
         if rows:
             picked = [requests[i] for i in rows]
@@ -126,7 +125,7 @@ def truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torc
     while True:
         values, order = logits.topk(width, dim=-1)  # sorted, best first
         drop = torch.arange(width, device=dev)[None] >= ks
-        values = values.masked_fill(drop, _NEG_INF)
+        values = values.masked_fill(drop, NEG_INF)
         # Probabilities of the top_k-truncated distribution: renormalised over the
         # candidates when top_k cuts inside them, over the whole row otherwise.
         within = ks <= width
@@ -142,5 +141,5 @@ def truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torc
     # Drop a token once the tokens ranked above it reach top_p; the best always stays.
     drop |= mass_before >= p
     drop[:, 0] = False
-    out = torch.full_like(logits, _NEG_INF)
-    return out.scatter_(1, order, values.masked_fill(drop, _NEG_INF))
+    out = torch.full_like(logits, NEG_INF)
+    return out.scatter_(1, order, values.masked_fill(drop, NEG_INF))

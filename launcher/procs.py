@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-from engine_core.process_config import EngineProcConfig
+from engine_core.config import EngineProcConfig
 
 if TYPE_CHECKING:
     from frontend.config import APIServerConfig

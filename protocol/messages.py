@@ -188,6 +188,9 @@ class EngineReady(_Wire):
     vocab_size: int = 0
     pid: int = 0
     hostname: str = ""
+    # Prompt + max_tokens one request may need: max_model_len, or less when the KV
+    # cache is smaller (the last sampled token needs no KV). The engine refuses more.
+    max_request_tokens: int = 0
 
 
 # First frame of [ENGINE_CORE_DEAD, rank] an engine sends every API server when it dies
