@@ -172,15 +172,16 @@ def _decode_attention(
 ) -> torch.Tensor:
     """q [B,Hq,D], k/v [B,Hkv,L,D], bias [B,1,1,L] → [B,Hq,D].
 
-    Grouped matmuls instead of SDPA: for one query row per sequence, CPU SDPA is
-    ~15x slower than two batched matmuls with the query heads of a KV head stacked.
+    Grouped matmuls instead of SDPA: for one query row per sequence, CPU SDPA is far
+    slower than two batched matmuls with the query heads of a KV head stacked
+    (BENCHMARKS.md §2, "Figures behind the code").
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = torch.matmul(q, k.transpose(-1, -2))  # [B,Hkv,G,L] in the model dtype
     if softcap is None:
-        # One op: fp32 scores, scaled and masked (2.5x cheaper than cast, scale, fill).
+        # One op: fp32 scores, scaled and masked (cheaper than cast, scale, fill).
         scores = torch.add(bias, scores, alpha=scaling)
     else:
         scores = scores.float().mul_(scaling)

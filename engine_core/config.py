@@ -54,7 +54,7 @@ def cpu_thread_count(cpu_threads: int | None, cores: int, local_engines: int) ->
     by the local engines, at least one, so two engines never oversubscribe.
 
     The launcher leaves the engines the usable cores less one per local API server
-    after the first (launcher/supervisor.py: engine_threads; BENCHMARKS.md §1 has
+    after the first (launcher/supervisor.py: engine_threads; BENCHMARKS.md §2 has
     the measurements behind it); an engine run in-process takes every usable core.
     """
     if cpu_threads is not None:

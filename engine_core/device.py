@@ -61,7 +61,7 @@ def keep_freed_memory() -> bool:
     By default every allocation over 128 KiB is a fresh mmap, so each step's
     intermediates (gathered KV, activations, logits) are page-faulted in again, every
     step, and filling new pages is several times slower than reusing old ones
-    (BENCHMARKS.md §1). Serving from the heap and never trimming it keeps the steady
+    (BENCHMARKS.md §2, "Figures behind the code"). Serving from the heap and never trimming it keeps the steady
     state at zero faults. Returns False where the C library is not glibc.
     """
     name = ctypes.util.find_library("c")

@@ -54,9 +54,9 @@ class _Linear:
 
     bf16 weights on CPU are packed once: for the CPU kernels' AVX512-BF16 matmul
     where `kernels` has one (it also fuses the SiLU product), else into oneDNN's
-    blocked layout (10–25% faster than F.linear at decode batch sizes, 2x at batch 1,
-    bit-identical results); anything else goes through F.linear, so fp32 stays
-    exactly transformers'. A packed weight drops the unpacked one."""
+    blocked layout (faster than F.linear at decode batch sizes, bit-identical results;
+    BENCHMARKS.md §2); anything else goes through F.linear, so fp32 stays exactly
+    transformers'. A packed weight drops the unpacked one."""
 
     __slots__ = (
         "weight", "bias", "packed", "kernels", "fused", "bias_f32", "silu_mul", "width", "f32",

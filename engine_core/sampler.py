@@ -5,7 +5,8 @@ Greedy rows take the argmax. The others apply temperature, min_p, top_k and top_
 number per row, from the request's own generator when it has a seed, so a seeded
 request's tokens do not depend on what else is in the batch. One number per row
 instead of a Gumbel/exponential race over the vocabulary: on CPU, drawing V
-exponentials per row costs more than the decode step itself at batch 128.
+exponentials per row costs more than the rest of a decode step (BENCHMARKS.md §2,
+"Figures behind the code").
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ def draw(probs: torch.Tensor, u: torch.Tensor, block: int = _DRAW_BLOCK) -> torc
     """Inverse-CDF draw: per row, the first token whose cumulative mass passes u times
     the row's total; zero-mass tokens never qualify. probs [B, V] >= 0, u [B, 1] in [0, 1).
 
-    Two levels instead of one cumulative sum over the whole vocabulary (a serial scan
-    that took ~1 ms at batch 128 here): block sums find the block, then a scan inside
-    that one block finds the token.
+    Two levels instead of one cumulative sum over the whole vocabulary (a serial scan,
+    slow at large batches): block sums find the block, then a scan inside that one
+    block finds the token.
     """
     rows, vocab = probs.shape
     num_blocks = -(-vocab // block)

@@ -72,7 +72,8 @@ def engine_threads(args: argparse.Namespace, local_engines: int) -> int:
     The first API server shares the cores with the engine: it needs a fraction of a
     core, and the kernels' pool gives way to it (idle threads sleep after a short
     spin; no loop waits for a thread that has not started on it). Two engine threads
-    beside one API server on 2 cores served more than one (BENCHMARKS.md §1).
+    beside one API server on 2 cores served more than one (BENCHMARKS.md §2, "Figures
+    behind the code").
     """
     if args.engine_cpus:
         cores = len(args.engine_cpus)

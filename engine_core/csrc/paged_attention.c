@@ -30,7 +30,7 @@ static inline __attribute__((always_inline)) void prefetch_block(const bf16 *p, 
 
 /* Inlined into callers with constant d and groups, so the common shapes keep q and
  * the accumulators in registers (a generic loop spills them, several times slower:
- * BENCHMARKS.md §2). */
+ * BENCHMARKS.md §2, "Figures behind the code"). */
 static inline __attribute__((always_inline)) void attend_row_impl(
     const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table,
     int64_t start, int64_t len, int64_t h, int64_t hkv, const int64_t groups, const int64_t d,
