@@ -408,7 +408,7 @@ class EngineCoreProc:
 
     def publish_load(self) -> None:
         """The API servers that had no outputs hear of a change in load at most every
-        STATS_INTERVAL_S; every server hears of settled requests at once."""
+        STATS_INTERVAL_S; of settled requests, each whose count is stale hears at once."""
         for client_index in self.client_load.stats_due(load_key(self.stats), time.monotonic()):
             self.queue_outputs_for(client_index, [])
         if self.client_load.settled_since_publish():
