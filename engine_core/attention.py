@@ -21,8 +21,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from engine_core.kv_cache import PagedKVCache
+from engine_core.logits_processors import NEG_INF
+
 ATTN_IMPLEMENTATION = "zserve_paged"
-_NEG_INF = float("-inf")
 
 
 @dataclass
@@ -46,6 +48,17 @@ class PagedRows:
     row_table: torch.Tensor  # int32 [N] which table each row reads
     row_len: torch.Tensor  # int32 [N] position + 1
     max_len: int  # the longest row_len
+
+
+@dataclass
+class StepBatch:
+    """A step's packed rows, as attention metadata is built from them: the sequences in
+    row order, the single-token decodes first, and every row's position."""
+
+    # (block table, tokens already in the cache, new tokens this step) per sequence
+    sequences: list[tuple[list[int], int, int]]
+    num_decodes: int  # the first num_decodes sequences bring one token each
+    positions: torch.Tensor  # int64 [N] on the CPU: each row's position in its sequence
 
 
 @dataclass
@@ -75,7 +88,7 @@ class AttentionMetadata:
             excluded = keys > pos
             if window is not None:
                 excluded |= keys <= pos - window
-            bias = torch.zeros(excluded.shape, device=keys.device).masked_fill_(excluded, _NEG_INF)
+            bias = torch.zeros(excluded.shape, device=keys.device).masked_fill_(excluded, NEG_INF)
             bias = self._decode_biases[window] = bias[:, None, None, :]
         return bias
 
@@ -96,6 +109,59 @@ class AttentionMetadata:
         return mask
 
 
+def torch_metadata(batch: StepBatch, cache: PagedKVCache) -> AttentionMetadata:
+    """The metadata `paged_attention` below reads: gather indices and masks, decodes first."""
+    bs, dev = cache.block_size, cache.device
+    nd = batch.num_decodes
+    decodes = batch.sequences[:nd]
+    decode_index = decode_pos = key_pos = None
+    token_blocks = [blocks[start // bs] for blocks, start, _ in decodes]
+    if decodes:
+        tables = [blocks for blocks, _, _ in decodes]
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        heads = cache.num_kv_heads
+        decode_index = (table[:, None, :] * heads + cache.head_offsets[None, :, None]).flatten()
+        decode_pos = batch.positions[:nd, None]
+        key_pos = cache.key_positions[:, : width * bs]
+
+    chunks = []
+    block_parts = [torch.tensor(token_blocks, dtype=torch.long)]
+    first = nd
+    for blocks, start, n in batch.sequences[nd:]:
+        block_ids = blocks[: -(-(start + n) // bs)]
+        chunk_pos = torch.arange(start, start + n)
+        block_parts.append(torch.tensor(block_ids)[chunk_pos // bs])
+        chunks.append(PrefillChunk(first, first + n, start, _gather_index(cache, block_ids)))
+        first += n
+    token_blocks = torch.cat(block_parts) if chunks else block_parts[0]
+    return AttentionMetadata(
+        kv_caches=cache.layers,
+        write_index=_write_index(cache, token_blocks, batch.positions % bs).to(dev),
+        num_decodes=nd,
+        decode_gather_index=None if decode_index is None else decode_index.to(dev),
+        decode_positions=None if decode_pos is None else decode_pos.to(dev),
+        decode_key_positions=key_pos,
+        prefills=chunks,
+    )
+
+
+def _write_index(
+    cache: PagedKVCache, token_blocks: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """Cache rows of N new tokens, ordered [Hkv, N] like the model's K/V."""
+    bs = cache.block_size
+    base = token_blocks * (cache.num_kv_heads * bs) + offsets
+    return (base[None, :] + cache.head_offsets[:, None] * bs).flatten()
+
+
+def _gather_index(cache: PagedKVCache, block_ids: list[int]) -> torch.Tensor:
+    """(block, head) rows of one sequence's blocks, head-major: gathers [Hkv, L, D]."""
+    blocks = torch.tensor(block_ids)
+    index = blocks[None, :] * cache.num_kv_heads + cache.head_offsets[:, None]
+    return index.flatten().to(cache.device)
+
+
 def _decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -106,15 +172,16 @@ def _decode_attention(
 ) -> torch.Tensor:
     """q [B,Hq,D], k/v [B,Hkv,L,D], bias [B,1,1,L] → [B,Hq,D].
 
-    Grouped matmuls instead of SDPA: for one query row per sequence, CPU SDPA is
-    ~15x slower than two batched matmuls with the query heads of a KV head stacked.
+    Grouped matmuls instead of SDPA: for one query row per sequence, CPU SDPA is far
+    slower than two batched matmuls with the query heads of a KV head stacked
+    (BENCHMARKS.md §2, "Figures behind the code").
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = torch.matmul(q, k.transpose(-1, -2))  # [B,Hkv,G,L] in the model dtype
     if softcap is None:
-        # One op: fp32 scores, scaled and masked (2.5x cheaper than cast, scale, fill).
+        # One op: fp32 scores, scaled and masked (cheaper than cast, scale, fill).
         scores = torch.add(bias, scores, alpha=scaling)
     else:
         scores = scores.float().mul_(scaling)
@@ -145,7 +212,7 @@ def _chunk_attention(
     if mask is None:
         t, s = scores.shape[-2:]
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
-    scores.masked_fill_(~mask, _NEG_INF)
+    scores.masked_fill_(~mask, NEG_INF)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v)
 

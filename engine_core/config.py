@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.sockets import CurveKeys
+
 
 @dataclass
 class EngineConfig:
+    """What one EngineCore needs, in an engine-core process or in-process (LLM)."""
+
     model: str  # a local folder holding config.json, *.safetensors and the tokenizer
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -20,9 +24,41 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority
     seed: int = 0
-    cpu_threads: int | None = None  # None: usable cores // local engines
-    model_impl: str = "auto"  # auto | native | transformers
+    cpu_threads: int | None = None  # None: usable cores // local engines (cpu_thread_count)
+    model_impl: str = "auto"  # auto | native | transformers (backends.py)
     cpu_kernels: str = "auto"  # auto: the native bf16 forward on CPU uses them | off
     max_logprobs: int = 20  # -1: the whole vocabulary
     data_parallel_rank: int = 0
     data_parallel_size_local: int = 1
+
+
+@dataclass
+class EngineProcConfig:
+    """What the supervisor (or a headless launcher) hands one engine-core process."""
+
+    engine: EngineConfig
+    rank: int
+    handshake_address: str
+    local: bool = True
+    headless: bool = False
+    ready_timeout_s: float = 600.0
+    curve: CurveKeys | None = None
+    log_level: str = "INFO"
+    parent_pid: int | None = None
+    cpus: list[int] | None = None  # CPU affinity (--engine-cpus)
+
+
+def cpu_thread_count(cpu_threads: int | None, cores: int, local_engines: int) -> int:
+    """CPU threads per engine (its CPU kernels' pool, or torch's where those do not run
+    the forward): `cpu_threads` if given, else the cores left to the engines shared
+    by the local engines, at least one, so two engines never oversubscribe.
+
+    The launcher leaves the engines the usable cores less one per local API server
+    after the first (launcher/plan.py: engine_threads; BENCHMARKS.md §2 has
+    the measurements behind it); an engine run in-process takes every usable core.
+    """
+    if cpu_threads is not None:
+        if cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be at least 1, got {cpu_threads}")
+        return cpu_threads
+    return max(1, cores // max(1, local_engines))

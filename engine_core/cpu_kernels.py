@@ -1,18 +1,18 @@
-"""zserve's CPU kernels (cpu_kernels.c), compiled once per machine and called through ctypes.
+"""zserve's CPU kernels (csrc/, one C file per op), compiled once per machine and called
+through ctypes.
 
 The native bf16 forward on CPU runs its elementwise steps fused (RMSNorm with the
 residual add, RoPE with the KV-cache write, SiLU·mul) and its paged attention over
 every query row at once, reading K/V straight from the cache blocks instead of
 gathering them. The C is built for the CPU it runs on (AVX-512 with bf16 dot
 products where the CPU has them, portable C elsewhere) into the user cache, keyed by
-the source, the compiler and the CPU, so it compiles once (about a second). Where no
+the sources, the compiler and the CPU, so it compiles once (a few seconds). Where no
 C compiler works, `load()` answers None with the reason logged, and the forward keeps
 torch's ops.
 
 ctypes releases the GIL for each call, so the engine's output thread runs meanwhile.
 The kernels run on a thread pool of their own (set_threads), which never waits for a
-worker that has not started on a loop and lets idle workers sleep; see
-cpu_kernels.c.
+worker that has not started on a loop and lets idle workers sleep; see csrc/pool.c.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCE_DIR = Path(__file__).with_name("csrc")  # *.c: one op each; kernels.h: what they share
 ABI = 3  # zs_abi() of the source this module speaks to
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16  # query heads per KV head
@@ -250,8 +250,9 @@ def load(portable: bool = False) -> CpuKernels | None:
 
 
 def build(portable: bool = False) -> Path:
-    """Compile cpu_kernels.c for this CPU into the cache (once; concurrent builders
-    each write a private file and the last rename wins, so no one sees a partial one)."""
+    """Compile csrc/*.c into one library for this CPU, in the cache (once; concurrent
+    builders each write a private file and the last rename wins, so no one sees a
+    partial one)."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not compiler:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
@@ -261,9 +262,12 @@ def build(portable: bool = False) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=30
     ).stdout
-    source = SOURCE.read_bytes()
+    sources = sorted(SOURCE_DIR.glob("*.c"))
+    # Every source by name and content: a header counts as much as a .c.
+    inputs = sorted([*sources, *SOURCE_DIR.glob("*.h")])
+    files = [b"%s\0%s" % (p.name.encode(), p.read_bytes()) for p in inputs]
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_identity()])
+        b"\0".join([*files, " ".join(flags).encode(), version.encode(), _cpu_identity()])
     ).hexdigest()[:16]
     folder = _cache_dir()
     path = folder / f"cpu_kernels-{key}.so"
@@ -274,7 +278,7 @@ def build(portable: bool = False) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", staging, "-lm"],
+            [compiler, *flags, *map(str, sources), "-o", staging, "-lm"],
             capture_output=True,
             text=True,
             timeout=300,

@@ -32,7 +32,8 @@ class EngineCore:
     """The engine's compute, driven by the process shell (or `LLM` in-process).
 
     Not thread-safe: one thread calls every method. After __init__ the READY fields
-    are set: max_model_len, num_kv_blocks, block_size, dtype, device, vocab_size.
+    are set: max_model_len, num_kv_blocks, block_size, dtype, device, vocab_size,
+    max_request_tokens.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -46,6 +47,11 @@ class EngineCore:
         self.device = str(self.runner.device)
         self.vocab_size = info.vocab_size
         self.eos_token_ids = info.eos_token_ids
+        # Prompt + max_tokens one request may need: the context, or less when the KV
+        # cache holds less (the last sampled token is never fed back, so needs no KV).
+        self.max_request_tokens = min(
+            self.max_model_len, (self.num_kv_blocks - 1) * self.block_size + 1
+        )
         self.blocks = BlockManager(
             self.num_kv_blocks, self.block_size, config.enable_prefix_caching
         )
@@ -90,21 +96,22 @@ class EngineCore:
         return []
 
     def _check_fits(self, request: EngineCoreRequest) -> None:
+        """Refuse a request over max_request_tokens, naming the limit that binds."""
         prompt_len = len(request.prompt_token_ids)
         max_tokens = request.sampling_params.max_tokens
         total = prompt_len + max_tokens
+        if total <= self.max_request_tokens:
+            return
         if total > self.max_model_len:
             raise ValueError(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
-        # The last sampled token is never fed back, so its KV is never stored.
         needed = self.blocks.blocks_needed(total - 1)
-        if needed > self.blocks.num_usable_blocks:
-            raise ValueError(
-                f"prompt + max_tokens needs {needed} KV blocks but the cache has only "
-                f"{self.blocks.num_usable_blocks}; lower max_tokens or give the KV cache more memory"
-            )
+        raise ValueError(
+            f"prompt + max_tokens needs {needed} KV blocks but the cache has only "
+            f"{self.blocks.num_usable_blocks}; lower max_tokens or give the KV cache more memory"
+        )
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -1,40 +1,40 @@
-"""The model behind the runner's seam: an unmodified transformers causal LM.
-
-A backend is anything with `forward(input_ids, positions, attn_meta, logits_indices)
--> logits`; a native implementation can sit beside this one behind `model_impl`.
-"""
+"""The transformers backend: an unmodified transformers causal LM whose attention is
+ours (attention.py, registered through transformers' AttentionInterface)."""
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
-from engine_core.attention import AttentionMetadata
-from engine_core.cpu_kernels import CpuKernels
-
-
-class ModelBackend(Protocol):
-    # The CPU kernels this backend runs on, if any. With them, forward takes
-    # AttentionMetadata.rows (the kernels' form), not the torch path's gather indices.
-    kernels: CpuKernels | None
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """[N] token ids and positions of the packed batch → fp32 logits [len(logits_indices), V]."""
-        ...
+from engine_core.attention import AttentionMetadata, StepBatch, torch_metadata
+from engine_core.config import EngineConfig
+from engine_core.kv_cache import PagedKVCache
+from engine_core.model_loader import SUPPORTED_ARCHITECTURES, ModelInfo, load_model
 
 
 class TransformersBackend:
     kernels = None
+    architectures = SUPPORTED_ARCHITECTURES
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
+
+    @staticmethod
+    def unsupported_reason(info: ModelInfo) -> str | None:
+        return None  # every architecture inspect_model admits
+
+    @classmethod
+    def build(
+        cls,
+        config: EngineConfig,
+        info: ModelInfo,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+    ) -> TransformersBackend:
+        return cls(load_model(info, dtype, device))
+
+    def attention_metadata(self, batch: StepBatch, cache: PagedKVCache) -> AttentionMetadata:
+        return torch_metadata(batch, cache)
 
     def forward(
         self,

@@ -38,6 +38,27 @@ class KVCacheSpec:
         ]
 
 
+class PagedKVCache:
+    """A runner's KV cache tensors, with the index tensors each step's attention
+    metadata reuses (attention.torch_metadata)."""
+
+    def __init__(self, spec: KVCacheSpec, device: torch.device, max_model_len: int) -> None:
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.num_kv_heads = spec.num_kv_heads
+        self.device = device
+        self.layers: KVCache = []
+        self.head_offsets = torch.arange(spec.num_kv_heads)
+        # Every position a sequence's keys can reach, for the decode masks.
+        self.key_positions = torch.arange(max_model_len + spec.block_size, device=device)[None]
+
+    def allocate(self, num_blocks: int) -> None:
+        self.layers = self.spec.allocate(num_blocks, self.device)
+
+    def free(self) -> None:
+        self.layers = []
+
+
 def cpu_num_blocks(spec: KVCacheSpec, kv_cache_memory_bytes: int | None) -> int:
     budget = kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
     return budget // spec.block_bytes

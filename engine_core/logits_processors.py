@@ -5,11 +5,32 @@ They run before the choice (greedy or random) and only on the rows that need the
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from engine_core.request import Request
+from protocol.messages import SamplingParams
 
-_NEG_INF = float("-inf")
+if TYPE_CHECKING:
+    from engine_core.request import Request
+
+# The value that masks a logit (or an attention score) out: softmax gives it no weight.
+NEG_INF = float("-inf")
+
+
+def has_penalties(params: SamplingParams) -> bool:
+    """Whether the repetition, presence or frequency penalty applies."""
+    return bool(
+        params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+    )
+
+
+def needs_processing(params: SamplingParams) -> bool:
+    """Whether a processor here changes this request's logits before the choice (the
+    sampler skips the rest)."""
+    return bool(
+        params.logit_bias or params.allowed_token_ids or params.min_tokens
+    ) or has_penalties(params)
 
 
 class LogitsState:
@@ -55,7 +76,7 @@ def apply_processors(
         if state is None:
             state = request.sampler_state = LogitsState(request, vocab_size, logits.device)
         if state.allowed_mask is not None:
-            logits[i].masked_fill_(~state.allowed_mask, _NEG_INF)
+            logits[i].masked_fill_(~state.allowed_mask, NEG_INF)
         if params.logit_bias:
             bias_rows += [i] * len(params.logit_bias)
             bias_cols += params.logit_bias.keys()
@@ -64,14 +85,14 @@ def apply_processors(
             stops = request.eos_ids | request.stop_ids
             ban_rows += [i] * len(stops)
             ban_cols += stops
-        if params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty:
+        if has_penalties(params):
             penalized.append(i)
     dev = logits.device
     if bias_rows:
         index = (torch.tensor(bias_rows, device=dev), torch.tensor(bias_cols, device=dev))
         logits.index_put_(index, torch.tensor(bias_vals, device=dev), accumulate=True)
     if ban_rows:
-        logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_cols, device=dev)] = _NEG_INF
+        logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_cols, device=dev)] = NEG_INF
     if penalized:
         _apply_penalties(logits, [requests[i] for i in penalized], penalized)
 

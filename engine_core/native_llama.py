@@ -22,7 +22,15 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from engine_core import cpu_kernels
-from engine_core.attention import AttentionMetadata, paged_attention
+from engine_core.attention import (
+    AttentionMetadata,
+    PagedRows,
+    StepBatch,
+    paged_attention,
+    torch_metadata,
+)
+from engine_core.config import EngineConfig
+from engine_core.kv_cache import PagedKVCache
 from engine_core.model_loader import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -39,21 +47,6 @@ NATIVE_ARCHITECTURES = {
 }
 
 
-def native_unsupported_reason(info: ModelInfo) -> str | None:
-    """Why this model cannot take the native path (None: it can)."""
-    if info.architecture not in NATIVE_ARCHITECTURES:
-        return f"no native forward for {info.architecture}"
-    cfg = info.hf_config
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") == "dynamic":
-        return "dynamic NTK rope depends on the sequence length"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"activation {cfg.hidden_act}"
-    if getattr(cfg, "mlp_bias", False):
-        return "MLP biases"
-    return None
-
-
 class _Linear:
     """y = x Wᵀ (+ b), or with `silu_mul` (the fused gate/up weight [2 I, hidden]):
     silu(x Gᵀ) · (x Uᵀ) [M, I]. With `f32` the answer is fp32: y in the weight's
@@ -61,9 +54,9 @@ class _Linear:
 
     bf16 weights on CPU are packed once: for the CPU kernels' AVX512-BF16 matmul
     where `kernels` has one (it also fuses the SiLU product), else into oneDNN's
-    blocked layout (10–25% faster than F.linear at decode batch sizes, 2x at batch 1,
-    bit-identical results); anything else goes through F.linear, so fp32 stays
-    exactly transformers'. A packed weight drops the unpacked one."""
+    blocked layout (faster than F.linear at decode batch sizes, bit-identical results;
+    BENCHMARKS.md §2); anything else goes through F.linear, so fp32 stays exactly
+    transformers'. A packed weight drops the unpacked one."""
 
     __slots__ = (
         "weight", "bias", "packed", "kernels", "fused", "bias_f32", "silu_mul", "width", "f32",
@@ -167,6 +160,34 @@ class NativeLlamaBackend:
     build; anything else, fp32 included, is torch's ops, transformers' exact order.
     """
 
+    architectures = tuple(NATIVE_ARCHITECTURES)
+
+    @staticmethod
+    def unsupported_reason(info: ModelInfo) -> str | None:
+        """Why this model cannot take the native path (None: it can)."""
+        if info.architecture not in NATIVE_ARCHITECTURES:
+            return f"no native forward for {info.architecture}"
+        cfg = info.hf_config
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") == "dynamic":
+            return "dynamic NTK rope depends on the sequence length"
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            return f"activation {cfg.hidden_act}"
+        if getattr(cfg, "mlp_bias", False):
+            return "MLP biases"
+        return None
+
+    @classmethod
+    def build(
+        cls,
+        config: EngineConfig,
+        info: ModelInfo,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+    ) -> NativeLlamaBackend:
+        return cls(info, dtype, device, max_model_len, config.cpu_kernels)
+
     def __init__(
         self,
         info: ModelInfo,
@@ -253,6 +274,12 @@ class NativeLlamaBackend:
         probe = torch.empty(1, dtype=self.dtype, device=self.device)
         cos, sin = rotary(probe, positions)
         return cos[0].contiguous(), sin[0].contiguous()
+
+    def attention_metadata(self, batch: StepBatch, cache: PagedKVCache) -> AttentionMetadata:
+        """The kernels' form where they run the forward, else the torch attention's."""
+        if self.kernels is None:
+            return torch_metadata(batch, cache)
+        return _paged_rows_metadata(batch, cache)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' order: normalise in fp32, cast back, then scale.
@@ -346,3 +373,31 @@ class NativeLlamaBackend:
         # Only the rows that sample need the last residual add and the final norm.
         last = hidden.index_select(0, logits_indices) + down.index_select(0, logits_indices)
         return self.lm_head(k.rms_norm(last, self.norm, eps))
+
+
+def _paged_rows_metadata(batch: StepBatch, cache: PagedKVCache) -> AttentionMetadata:
+    """The CPU kernels' metadata: one block table per sequence, one entry per row."""
+    # Hot path: plain lists, one tensor each at the end (repeat_interleave and
+    # fancy indexing cost more than the lists at these sizes).
+    bs = cache.block_size
+    tables: list[list[int]] = []
+    row_table: list[int] = []
+    slots: list[int] = []
+    for i, (blocks, start, n) in enumerate(batch.sequences):
+        tables.append(blocks[: -(-(start + n) // bs)])
+        if n == 1:
+            row_table.append(i)
+            slots.append(blocks[start // bs] * bs + start % bs)
+        else:
+            row_table.extend([i] * n)
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+    width = max(len(t) for t in tables)
+    positions = batch.positions
+    rows = PagedRows(
+        slots=torch.tensor(slots),
+        tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        row_table=torch.tensor(row_table, dtype=torch.int32),
+        row_len=(positions + 1).to(torch.int32),
+        max_len=int(positions.max()) + 1,
+    )
+    return AttentionMetadata(kv_caches=cache.layers, rows=rows)

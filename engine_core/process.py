@@ -1,8 +1,10 @@
 """The engine-core process: handshake, then three threads around one EngineCore.
 
     input thread   DEALER per API server → decode → input queue
-    busy loop      input queue → EngineCore.step() → output queue   (this thread owns torch)
+    busy loop      drain inputs → step → queue outputs → publish load   (owns torch)
     output thread  output queue → encode → PUSH to sockets[client_index]
+
+What each API server hears of this engine's load, and when, is client_load.py's.
 
 ZMQ and msgpack release the GIL, so encoding and sending step N's outputs overlap
 the forward of step N+1.
@@ -22,8 +24,9 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from engine_core.memory import release_free_memory
-from engine_core.process_config import EngineProcConfig
+from engine_core.client_load import HEARTBEAT_S, STATS_INTERVAL_S, ClientLoad, load_key
+from engine_core.config import EngineProcConfig
+from engine_core.device import release_free_memory
 from protocol import codec
 from protocol.handshake import EngineHello, EnginePlan, decode_handshake, encode_handshake
 from protocol.messages import (
@@ -38,26 +41,14 @@ from protocol.messages import (
     UtilityCall,
     UtilityResult,
     error_output,
-    others_requests,
 )
 from protocol.sockets import make_socket, needs_curve, rank_identity
 
 log = logging.getLogger("zserve.engine")
 
-# Stats reach every API server at least this often while they change (metrics), and
-# every HEARTBEAT_S regardless (liveness). What balancing steers by, the other servers'
-# requests here, reaches a server as soon as it changes (see `_LOAD`).
-STATS_INTERVAL_S = 0.1
-HEARTBEAT_S = 1.0
 RELEASE_MEMORY_S = 2.0  # at most this often, and only once idle
 
 UTILITY_METHODS = ("reset_prefix_cache", "make_stats", "ping")
-
-
-def _load_key(stats: SchedulerStats) -> tuple[int, int, int]:
-    """The stats an API server needs fresh between outputs: the engine's load (for
-    balancing) and its free KV blocks (for metrics)."""
-    return stats.num_running, stats.num_waiting, stats.num_free_blocks
 
 
 class _Shutdown(Exception):
@@ -86,14 +77,8 @@ class EngineCoreProc:
         self.ready: EngineReady | None = None
         self.stats = SchedulerStats()
         self.owners: dict[str, int] = {}  # request id -> client index, for _CLIENT_GONE
-        # Unfinished requests per client index = received - settled. The input thread
-        # counts a request in as it arrives, not when the busy loop gets to it: a step
-        # can take a while (a long prefill, a core shared with the API servers), and
-        # what an API server balances by must not lag behind it.
-        self.received: list[int] = []  # written by the input thread only
-        self.settled: list[int] = []  # finished, aborted or refused; the busy loop only
-        self.told_others: list[int] = []  # what each API server last heard; output thread
-        self.load_queued = False
+        self.client_load = ClientLoad(0)  # sized for the API servers by connect()
+        self._release_due, self._released_at = False, 0.0
 
     # --- start-up -----------------------------------------------------------------
 
@@ -155,8 +140,7 @@ class EngineCoreProc:
             )
             sock.connect(address)
             self.outputs.append(sock)
-        n = len(self.outputs)
-        self.received, self.settled, self.told_others = [0] * n, [0] * n, [0] * n
+        self.client_load = ClientLoad(len(self.outputs))
 
     def load(self) -> None:
         from engine_core.engine import EngineCore
@@ -174,6 +158,8 @@ class EngineCoreProc:
             vocab_size=e.vocab_size,
             pid=os.getpid(),
             hostname=socket.gethostname(),
+            max_request_tokens=e.max_request_tokens,
+            eos_token_ids=sorted(e.eos_token_ids),
         )
 
     def announce(self) -> None:
@@ -197,7 +183,6 @@ class EngineCoreProc:
             monitors[monitor] = index
             sock.send(announcement)
         try:
-            n_clients = len(self.received)
             while not self.stop.is_set():
                 added = False
                 for sock, _ in poller.poll(100):
@@ -211,8 +196,7 @@ class EngineCoreProc:
                     except codec.DecodeError as e:
                         log.warning("engine %d: dropped an undecodable request: %s", self.rank, e)
                         continue
-                    if kind is RequestType.ADD and 0 <= payload.client_index < n_clients:
-                        self.received[payload.client_index] += 1
+                    if kind is RequestType.ADD and self.client_load.count_in(payload.client_index):
                         added = True
                     self.input_queue.put((kind, payload))
                 if added:
@@ -246,7 +230,7 @@ class EngineCoreProc:
                 )
                 data = codec.encode(message)
                 for index, sock in enumerate(self.outputs):
-                    self._note_told(index, message.scheduler_stats)
+                    self.client_load.note_told(index, message.scheduler_stats)
                     sock.send(data, copy=False)
             elif message is _LOAD:
                 self.send_load_updates()
@@ -255,7 +239,7 @@ class EngineCoreProc:
                     sock.send_multipart([ENGINE_CORE_DEAD, rank_identity(self.rank)])
             elif 0 <= client_index < len(self.outputs):
                 if message.scheduler_stats is not None:
-                    self._note_told(client_index, message.scheduler_stats)
+                    self.client_load.note_told(client_index, message.scheduler_stats)
                 self.outputs[client_index].send(codec.encode(message), copy=False)
             else:
                 log.warning("engine %d: output for unknown client %d", self.rank, client_index)
@@ -263,21 +247,16 @@ class EngineCoreProc:
     def queue_load_update(self) -> None:
         """Ask the output thread to tell the API servers of a change in their load
         (at most one such request waits in its queue)."""
-        if not self.load_queued:
-            self.load_queued = True
+        if self.client_load.claim_update():
             self.output_queue.put((-1, _LOAD))
-
-    def by_client(self) -> list[int]:
-        return [r - s for r, s in zip(self.received, self.settled)]
 
     def send_load_updates(self) -> None:
         """Output thread: each API server whose view of the other servers' requests
         here is out of date hears the current counts, with the last stats."""
-        self.load_queued = False  # before reading the counts: a later change re-queues
-        by_client = self.by_client()
+        by_client = self.client_load.begin_update()
         stats = None
         for index, sock in enumerate(self.outputs):
-            if others_requests(by_client, index) == self.told_others[index]:
+            if not self.client_load.is_stale(index, by_client):
                 continue
             if stats is None:
                 stats = copy.copy(self.stats)  # the busy loop's, as it was last made
@@ -287,12 +266,8 @@ class EngineCoreProc:
                         engine_index=self.rank, scheduler_stats=stats, timestamp=time.time()
                     )
                 )
-            self._note_told(index, stats)
+            self.client_load.note_told(index, stats)
             sock.send(data, copy=False)
-
-    def _note_told(self, index: int, stats: SchedulerStats) -> None:
-        if stats.num_requests_by_client:
-            self.told_others[index] = others_requests(stats.num_requests_by_client, index)
 
     def heartbeat_thread(self) -> None:
         """Liveness for every API server, whatever the busy loop does. The stats it
@@ -308,8 +283,8 @@ class EngineCoreProc:
             req: EngineCoreRequest = payload
             errors = engine.add_request(req)
             if errors:
-                self._settle(req.client_index)
-                self.send(req.client_index, errors)
+                self.client_load.settle(req.client_index)
+                self.queue_outputs_for(req.client_index, errors)
             else:
                 self.owners[req.request_id] = req.client_index
         elif kind is RequestType.ABORT:
@@ -324,7 +299,7 @@ class EngineCoreProc:
             for rid in gone:
                 self._forget(rid)
             if gone:
-                self.send(
+                self.queue_outputs_for(
                     payload,
                     [
                         error_output(rid, "the engine lost its link to this API server")
@@ -337,16 +312,11 @@ class EngineCoreProc:
     def _forget(self, request_id: str) -> None:
         owner = self.owners.pop(request_id, None)
         if owner is not None:
-            self._settle(owner)
-
-    def _settle(self, client_index: int) -> None:
-        """A request the input thread counted in is done with (any outcome)."""
-        if 0 <= client_index < len(self.settled):
-            self.settled[client_index] += 1
+            self.client_load.settle(owner)
 
     def _make_stats(self) -> SchedulerStats:
         stats = self.engine.make_stats()
-        stats.num_requests_by_client = self.by_client()
+        stats.num_requests_by_client = self.client_load.by_client()
         return stats
 
     def call_utility(self, call: UtilityCall) -> None:
@@ -375,7 +345,9 @@ class EngineCoreProc:
             )
         )
 
-    def send(self, client_index: int, outputs: list[EngineCoreOutput]) -> None:
+    def queue_outputs_for(self, client_index: int, outputs: list[EngineCoreOutput]) -> None:
+        """Queue one message for an API server (outputs, or none: stats only), with the
+        last stats; the output thread sends it."""
         self.output_queue.put(
             (
                 client_index,
@@ -389,56 +361,58 @@ class EngineCoreProc:
         )
 
     def busy_loop(self) -> None:
-        engine = self.engine
-        n_clients = len(self.outputs)
-        last_sent = [0.0] * n_clients
-        # The load each API server last heard from us: it keeps steering by that
-        # until we tell it otherwise, so a change it missed must still reach it,
-        # even once we go idle (the final "all done" is the one that matters most).
-        told: list[tuple | None] = [None] * n_clients
+        """drain inputs → step → queue outputs → publish load, until shutdown."""
         self.stats: SchedulerStats = self._make_stats()
-        release_due, released_at = False, 0.0
         while not self.stop.is_set():
-            settled = sum(self.settled)
-            # Block while idle; the timeout keeps stats and heartbeats flowing.
-            if not engine.has_unfinished_requests():
-                if release_due and time.monotonic() - released_at >= RELEASE_MEMORY_S:
-                    # The step path keeps freed memory for the next step (model_runner's
-                    # keep_freed_memory); idle, a burst's peak goes back to the OS.
-                    release_free_memory()
-                    release_due, released_at = False, time.monotonic()
-                try:
-                    self.handle_input(*self.input_queue.get(timeout=STATS_INTERVAL_S))
-                except queue.Empty:
-                    pass
-            else:
-                release_due = True
-            while True:
-                try:
-                    self.handle_input(*self.input_queue.get_nowait())
-                except queue.Empty:
-                    break
-            grouped = engine.step() if engine.has_unfinished_requests() else {}
-            for outs in grouped.values():
-                for out in outs:
-                    if out.finish_reason is not None:
-                        self._forget(out.request_id)
-            self.stats = self._make_stats()
-            now = time.monotonic()
-            key = _load_key(self.stats)
-            for client_index, outs in grouped.items():
-                self.send(client_index, outs)
-                last_sent[client_index] = now
-                told[client_index] = key
-            # The others hear of a change without outputs, at most every interval.
-            for client_index in range(n_clients):
-                if told[client_index] != key and now - last_sent[client_index] >= STATS_INTERVAL_S:
-                    self.send(client_index, [])
-                    last_sent[client_index] = now
-                    told[client_index] = key
-            # ... and of finished requests, with no outputs for them, at once.
-            if sum(self.settled) != settled:
-                self.queue_load_update()
+            self.drain_inputs()
+            outputs = self.engine.step() if self.engine.has_unfinished_requests() else {}
+            self.queue_outputs(outputs)
+            self.publish_load()
+
+    def drain_inputs(self) -> None:
+        """Handle every input waiting. While idle, first wait for one, at most
+        STATS_INTERVAL_S (so load is still published), and give memory back."""
+        if self.engine.has_unfinished_requests():
+            self._release_due = True
+        else:
+            self._release_idle_memory()
+            try:
+                self.handle_input(*self.input_queue.get(timeout=STATS_INTERVAL_S))
+            except queue.Empty:
+                pass
+        while True:
+            try:
+                self.handle_input(*self.input_queue.get_nowait())
+            except queue.Empty:
+                return
+
+    def _release_idle_memory(self) -> None:
+        # The step path keeps freed memory for the next step (device.keep_freed_memory);
+        # idle, a burst's peak goes back to the OS, at most every RELEASE_MEMORY_S.
+        if self._release_due and time.monotonic() - self._released_at >= RELEASE_MEMORY_S:
+            release_free_memory()
+            self._release_due, self._released_at = False, time.monotonic()
+
+    def queue_outputs(self, outputs: dict[int, list[EngineCoreOutput]]) -> None:
+        """Settle the step's finished requests, take its stats, and queue each API
+        server's outputs with them."""
+        for outs in outputs.values():
+            for out in outs:
+                if out.finish_reason is not None:
+                    self._forget(out.request_id)
+        self.stats = self._make_stats()
+        key, now = load_key(self.stats), time.monotonic()
+        for client_index, outs in outputs.items():
+            self.queue_outputs_for(client_index, outs)
+            self.client_load.heard(client_index, key, now)
+
+    def publish_load(self) -> None:
+        """The API servers that had no outputs hear of a change in load at most every
+        STATS_INTERVAL_S; of settled requests, each whose count is stale hears at once."""
+        for client_index in self.client_load.stats_due(load_key(self.stats), time.monotonic()):
+            self.queue_outputs_for(client_index, [])
+        if self.client_load.settled_since_publish():
+            self.queue_load_update()
 
     # --- lifecycle ----------------------------------------------------------------
 

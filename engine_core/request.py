@@ -6,6 +6,7 @@ import enum
 
 import torch
 
+from engine_core.logits_processors import needs_processing
 from protocol.messages import EngineCoreRequest, FinishReason, Logprobs, SamplingParams
 
 # Temperatures below this are greedy (as in vLLM): dividing by them would overflow.
@@ -72,15 +73,7 @@ class Request:
         self.eos_ids = frozenset() if params.ignore_eos else eos_ids
         self.stop_ids = frozenset(params.stop_token_ids)
         self.is_greedy = params.temperature < GREEDY_EPS
-        # Anything that changes the logits before the choice; lets the sampler skip work.
-        self.needs_processing = bool(
-            params.logit_bias
-            or params.allowed_token_ids
-            or params.min_tokens
-            or params.repetition_penalty != 1.0
-            or params.presence_penalty
-            or params.frequency_penalty
-        )
+        self.needs_processing = needs_processing(params)
         self.generator: torch.Generator | None = None
         if params.seed is not None and not self.is_greedy:
             self.generator = torch.Generator().manual_seed(params.seed % (1 << 64))
@@ -96,14 +89,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.prompt_len
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.prompt_len :]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
 
     def sort_key(self) -> tuple[int, float]:
         """Priority order: lower `priority` first, then earlier arrival."""

@@ -5,7 +5,8 @@ Greedy rows take the argmax. The others apply temperature, min_p, top_k and top_
 number per row, from the request's own generator when it has a seed, so a seeded
 request's tokens do not depend on what else is in the batch. One number per row
 instead of a Gumbel/exponential race over the vocabulary: on CPU, drawing V
-exponentials per row costs more than the decode step itself at batch 128.
+exponentials per row costs more than the rest of a decode step (BENCHMARKS.md §2,
+"Figures behind the code").
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from __future__ import annotations
 import torch
 
 from engine_core.cpu_kernels import CpuKernels
-from engine_core.logits_processors import apply_processors
+from engine_core.logits_processors import NEG_INF, apply_processors
 from engine_core.request import Request
 
-_NEG_INF = float("-inf")
 # top_p without top_k first looks for the nucleus among this many best tokens; only
 # rows whose nucleus is wider fall back to sorting the whole vocabulary (slow on CPU).
 _TOP_P_HEAD = 256
@@ -62,7 +62,7 @@ class Sampler:
         if any(min_p):
             probs = torch.softmax(logits, dim=-1)
             floor = torch.tensor(min_p, device=dev)[:, None] * probs.amax(dim=-1, keepdim=True)
-            logits.masked_fill_(probs < floor, _NEG_INF)
+            logits.masked_fill_(probs < floor, NEG_INF)
         rows = [i for i, r in enumerate(requests) if r.params.top_k > 0 or r.params.top_p < 1]
         if rows:
             picked = [requests[i] for i in rows]
@@ -91,9 +91,9 @@ def draw(probs: torch.Tensor, u: torch.Tensor, block: int = _DRAW_BLOCK) -> torc
     """Inverse-CDF draw: per row, the first token whose cumulative mass passes u times
     the row's total; zero-mass tokens never qualify. probs [B, V] >= 0, u [B, 1] in [0, 1).
 
-    Two levels instead of one cumulative sum over the whole vocabulary (a serial scan
-    that took ~1 ms at batch 128 here): block sums find the block, then a scan inside
-    that one block finds the token.
+    Two levels instead of one cumulative sum over the whole vocabulary (a serial scan,
+    slow at large batches): block sums find the block, then a scan inside that one
+    block finds the token.
     """
     rows, vocab = probs.shape
     num_blocks = -(-vocab // block)
@@ -126,7 +126,7 @@ def truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torc
     while True:
         values, order = logits.topk(width, dim=-1)  # sorted, best first
         drop = torch.arange(width, device=dev)[None] >= ks
-        values = values.masked_fill(drop, _NEG_INF)
+        values = values.masked_fill(drop, NEG_INF)
         # Probabilities of the top_k-truncated distribution: renormalised over the
         # candidates when top_k cuts inside them, over the whole row otherwise.
         within = ks <= width
@@ -142,5 +142,5 @@ def truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torc
     # Drop a token once the tokens ranked above it reach top_p; the best always stays.
     drop |= mass_before >= p
     drop[:, 0] = False
-    out = torch.full_like(logits, _NEG_INF)
-    return out.scatter_(1, order, values.masked_fill(drop, _NEG_INF))
+    out = torch.full_like(logits, NEG_INF)
+    return out.scatter_(1, order, values.masked_fill(drop, NEG_INF))

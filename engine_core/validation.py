@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from protocol.messages import EngineCoreRequest
+from protocol.messages import MAX_TEMPERATURE, EngineCoreRequest
 
 MAX_LOGIT_BIAS = 100.0
 # The frontend allows 256 characters of a client's id plus its own suffix; an id past
@@ -35,8 +35,7 @@ def validate_request(request: EngineCoreRequest, vocab_size: int, max_logprobs: 
     _token_range("prompt_token_ids", request.prompt_token_ids, vocab_size)
     if p.max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1; got {p.max_tokens}")
-    if not (math.isfinite(p.temperature) and p.temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0; got {p.temperature}")
+    _between("temperature", p.temperature, 0.0, MAX_TEMPERATURE)
     if not (math.isfinite(p.top_p) and 0 < p.top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1]; got {p.top_p}")
     if p.top_k < -1:

@@ -29,7 +29,14 @@ from protocol.messages import (
     UtilityCall,
     others_requests,
 )
-from protocol.sockets import CurveKeys, bind, identity_rank, make_socket, needs_curve
+from protocol.sockets import (
+    CurveKeys,
+    bind,
+    identity_rank,
+    make_socket,
+    needs_curve,
+    rank_identity,
+)
 
 log = logging.getLogger("zserve.client")
 
@@ -111,7 +118,7 @@ class EngineClient:
         self.input_address = bind(self.router, config.input_address)
         self.output_address = bind(self.pull, config.output_address)
         self.engines = [
-            EngineState(rank, rank.to_bytes(2, "little")) for rank in range(config.num_engines)
+            EngineState(rank, rank_identity(rank)) for rank in range(config.num_engines)
         ]
         self.requests: dict[str, RequestStream] = {}
         self._rotate = itertools.count()
@@ -171,6 +178,14 @@ class EngineClient:
     @property
     def max_model_len(self) -> int:
         return min(e.ready.max_model_len for e in self.engines if e.ready)
+
+    @property
+    def max_request_tokens(self) -> int:
+        return min(e.ready.max_request_tokens for e in self.engines if e.ready)
+
+    @property
+    def vocab_size(self) -> int:
+        return min(e.ready.vocab_size for e in self.engines if e.ready)
 
     # --- requests -----------------------------------------------------------------
 

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from protocol.messages import MAX_TEMPERATURE
+
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 
@@ -45,7 +47,7 @@ class SamplingFields(_Model):
 
     model: str | None = None
     n: int = Field(1, ge=1)  # at most --max-sequences-per-request (limits.py)
-    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)

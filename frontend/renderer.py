@@ -22,14 +22,9 @@ class Renderer:
         self.raw = self.tokenizer.backend_tokenizer
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
-        self.config = _read_json(Path(model_dir) / "config.json")
+        # The model's sampling defaults (sampling.generation_defaults); what the model
+        # is (vocabulary, context, EOS) the engines announce (EngineReady).
         self.generation_config = _read_json(Path(model_dir) / "generation_config.json")
-        self.vocab_size = int(self.config.get("vocab_size") or len(self.tokenizer))
-        self.eos_token_ids = _as_list(self.generation_config.get("eos_token_id"))
-        if not self.eos_token_ids:
-            self.eos_token_ids = _as_list(self.config.get("eos_token_id"))
-        if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids = [self.tokenizer.eos_token_id]
         # No token stands for more characters than its longest vocabulary entry (byte-level
         # and metaspace entries spell their text; byte-fallback entries spell more), so a
         # text longer than max_model_len times this cannot fit the context.
@@ -78,9 +73,3 @@ def _read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except FileNotFoundError:
         return {}
-
-
-def _as_list(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]

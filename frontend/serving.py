@@ -62,17 +62,13 @@ class ServingContext:
 
     @property
     def max_request_tokens(self) -> int:
-        """Prompt + max_tokens that one request may need: the context length, or less
-        when an engine's KV cache is smaller (the last sampled token needs no KV)."""
-        limit = self.max_model_len
-        for e in self.client.engines:
-            if e.ready is not None:
-                limit = min(limit, (e.ready.num_kv_blocks - 1) * e.ready.block_size + 1)
-        return limit
+        """Prompt + max_tokens that one request may need, as every engine announced it:
+        the context length, or less where an engine's KV cache is smaller."""
+        return self.client.max_request_tokens
 
     @property
     def vocab_size(self) -> int:
-        return self.renderer.vocab_size
+        return self.client.vocab_size
 
     # --- cheap checks ---------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from launcher.process_setup import set_up_child
 
 if TYPE_CHECKING:
-    from engine_core.process_config import EngineProcConfig
+    from engine_core.config import EngineProcConfig
     from frontend.config import APIServerConfig
 
 

@@ -18,7 +18,7 @@ from frontend.control import ControlMessage
 from launcher import child_main
 
 if TYPE_CHECKING:
-    from engine_core.process_config import EngineProcConfig
+    from engine_core.config import EngineProcConfig
     from frontend.config import APIServerConfig
 
 log = logging.getLogger("zserve.supervisor")

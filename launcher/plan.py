@@ -14,7 +14,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from engine_core.config import EngineConfig
+from engine_core.config import EngineConfig, cpu_thread_count
 from frontend.config import FrontendConfig
 from frontend.limits import RequestLimits
 from launcher.models import ModelNotFoundError, resolve_model
@@ -247,25 +247,22 @@ def _model_dir(args: argparse.Namespace) -> str:
 
 
 def engine_threads(args: argparse.Namespace, local_engines: int) -> int:
-    """CPU threads per engine (its CPU kernels' pool, or torch's where those do not run
-    the forward): the usable cores less one for each local API server after the first,
-    shared by the local engines, at least one.
+    """CPU threads per engine (engine_core.config.cpu_thread_count): --engine-cpus, or
+    the usable cores less one for each local API server after the first, shared by
+    the local engines.
 
     The first API server shares the cores with the engine: it needs a fraction of a
-    core, and the kernels' pool gives way to it (idle threads sleep after 50 us; no
-    loop waits for a thread that has not started on it). On 2 cores, 1 API server and
-    `vllm bench serve` beside them, two engine threads served a median 5,135 tok/s
-    against one thread's 4,056 at concurrency 128 and 3,434 against 3,547 at 32, with a
-    lower ITL p99 at both (3 alternating rounds, torch's OpenMP threads then;
-    BENCHMARKS.md).
+    core, and the kernels' pool gives way to it (idle threads sleep after a short
+    spin; no loop waits for a thread that has not started on it). Two engine threads
+    beside one API server on 2 cores served more than one (BENCHMARKS.md §2, "Figures
+    behind the code").
     """
-    if args.cpu_threads is not None:
-        return args.cpu_threads
     if args.engine_cpus:
-        return max(1, len(args.engine_cpus) // max(local_engines, 1))
-    api_servers = 0 if args.headless else (args.api_server_count or 1)
-    reserved = max(0, api_servers - 1)
-    return max(1, (usable_cores() - reserved) // max(local_engines, 1))
+        cores = len(args.engine_cpus)
+    else:
+        api_servers = 0 if args.headless else (args.api_server_count or 1)
+        cores = usable_cores() - max(0, api_servers - 1)
+    return cpu_thread_count(args.cpu_threads, cores, local_engines)
 
 
 def refuse_unsupported(args: argparse.Namespace) -> str | None:

@@ -13,7 +13,7 @@ import tempfile
 
 import zmq
 
-from engine_core.process_config import EngineProcConfig
+from engine_core.config import EngineProcConfig
 from launcher.api_servers import APIServers
 from launcher.children import Child, StartupError, check_alive, spawn_engine, stop_all
 from launcher.engine_handshake import EngineHandshake, engine_plan

@@ -21,7 +21,6 @@ DecodeError = (msgspec.DecodeError, msgspec.ValidationError, ValueError, KeyErro
 
 _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode
-encode_into = _encoder.encode_into
 
 _decode_outputs = msgspec.msgpack.Decoder(EngineCoreOutputs).decode
 _decode_request = msgspec.msgpack.Decoder(EngineCoreRequest).decode

@@ -40,6 +40,11 @@ class FinishReason(enum.IntEnum):
         return ("stop", "length", "abort", "error", "error")[self]
 
 
+# temperature's range, 0 (greedy) to this: both sides check it (the frontend's 400, the
+# engine's own refusal).
+MAX_TEMPERATURE = 100.0
+
+
 class SamplingParams(_Wire):
     """What the engine's sampler and stop checks need for one request.
 
@@ -188,6 +193,10 @@ class EngineReady(_Wire):
     vocab_size: int = 0
     pid: int = 0
     hostname: str = ""
+    # Prompt + max_tokens one request may need: max_model_len, or less when the KV
+    # cache is smaller (the last sampled token needs no KV). The engine refuses more.
+    max_request_tokens: int = 0
+    eos_token_ids: list[int] = []  # what ends a sequence (unless ignore_eos)
 
 
 # First frame of [ENGINE_CORE_DEAD, rank] an engine sends every API server when it dies

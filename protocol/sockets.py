@@ -40,10 +40,6 @@ def ipc_address(directory: str, name: str) -> str:
     return f"ipc://{os.path.join(directory, name)}"
 
 
-def ipc_path(address: str) -> str | None:
-    return address[len("ipc://") :] if address.startswith("ipc://") else None
-
-
 def make_socket(
     ctx: zmq.Context,
     kind: int,

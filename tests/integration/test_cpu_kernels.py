@@ -1,4 +1,4 @@
-"""The CPU kernels (engine_core/cpu_kernels.c) against torch doing the same math.
+"""The CPU kernels (engine_core/csrc/) against torch doing the same math.
 
 Both builds run: the one for this CPU (AVX-512 where it has it) and the portable C
 that any other CPU gets. The fused elementwise kernels round where torch's bf16 ops

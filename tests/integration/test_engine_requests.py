@@ -141,6 +141,20 @@ def test_request_that_can_never_fit_the_kv_cache_gets_an_error_not_a_hang(tiny_m
     assert len(run_to_completion(engine)["fits"]) == 5
 
 
+def test_max_request_tokens_is_where_the_engine_starts_refusing(tiny_model, engine):
+    # What READY announces (EngineReady.max_request_tokens) is the limit _check_fits keeps.
+    assert engine.max_request_tokens == engine.max_model_len  # a roomy cache: the context
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4
+    small = EngineCore(
+        EngineConfig(model=str(tiny_model("llama")), kv_cache_memory_bytes=5 * block_bytes)
+    )
+    assert small.max_request_tokens == 4 * 16 + 1  # 4 usable blocks; the last token needs none
+    prompt = [7] * (small.max_request_tokens - 5)
+    assert small.add_request(request("at-limit", prompt, greedy(5))) == []
+    (out,) = small.add_request(request("over-limit", prompt, greedy(6)))
+    assert out.finish_reason == FinishReason.REFUSED
+
+
 def test_duplicate_request_id_is_refused_while_the_first_is_alive(engine):
     assert engine.add_request(request("dup", [1, 2, 3], greedy(3))) == []
     (out,) = engine.add_request(request("dup", [4, 5, 6], greedy(3)))

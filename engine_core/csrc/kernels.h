@@ -1,0 +1,122 @@
+/*
+ * zserve's CPU kernels: the fused elementwise steps, the paged attention, the final
+ * softmax-and-draw and the linear layers of the native bf16 forward, one op per file
+ * in this folder, each op's AVX-512 and portable versions side by side.
+ * engine_core/cpu_kernels.py compiles every .c here into one library for the machine
+ * it runs on (gcc -O3 -march=native) and calls it through ctypes.
+ *
+ * Tensors are bf16 (as uint16 bit patterns) with fp32 arithmetic. Each kernel rounds
+ * to bf16 wherever torch's op-by-op bf16 path rounds, so it reproduces those ops up
+ * to the order of a sum; attention is the exception: its scores and probabilities
+ * stay fp32 (torch rounds both to bf16), which is closer to the exact result.
+ *
+ * The kernels split their work over a pool of their own threads (pool.c), not OpenMP.
+ *
+ * Two builds of every kernel: AVX-512 (with AVX512-BF16 dot products), and portable
+ * C for any other CPU. ZS_PORTABLE forces the portable one (the tests compare both).
+ * This header holds what the ops share: the types, the limits, bf16 conversions, the
+ * pool's interface and the AVX-512 helpers.
+ */
+#ifndef ZS_KERNELS_H
+#define ZS_KERNELS_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__) && defined(__AVX512DQ__) && !defined(ZS_PORTABLE)
+#define ZS_AVX512 1
+#include <immintrin.h>
+#else
+#define ZS_AVX512 0
+#endif
+
+typedef uint16_t bf16;
+
+#define ZS_MAX_HEAD_DIM 256
+#define ZS_MAX_GROUP 16
+/* Below this many elements a loop runs on one thread: waking the others costs more. */
+#define ZS_PARALLEL_MIN 16384
+
+/* Shared between the files of the library, not part of its interface. */
+#define ZS_INTERNAL __attribute__((visibility("hidden")))
+
+static inline float bf2f(bf16 x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+/* Round to nearest even, as torch converts float to bfloat16. */
+static inline bf16 f2bf(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    uint32_t u = v.u;
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+static inline float round_bf(float f) { return bf2f(f2bf(f)); }
+
+/* The thread pool (pool.c). zs_parallel(n, grain, parallel, fn, ctx) runs
+ * fn(ctx, begin, end) over [0, n) in chunks of `grain`, on the calling thread and
+ * the pool's workers (on the caller alone when `parallel` is 0). */
+typedef void (*zs_task)(const void *ctx, int64_t begin, int64_t end);
+ZS_INTERNAL void zs_parallel(int64_t n, int64_t grain, int parallel, zs_task fn, const void *ctx);
+/* Threads a job may use now, the caller included. */
+ZS_INTERNAL int zs_active_threads(void);
+/* A per-thread scratch buffer of at least `bytes`, kept for the thread's next use. */
+ZS_INTERNAL void *zs_scratch(size_t bytes);
+
+#if ZS_AVX512
+/* e^x for x <= 0 (softmax arguments): x = n ln2 + r, e^r by a degree-6 polynomial
+ * (Cephes' coefficients), 2^n by scalef; under 2 ulp. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The first `left` lanes (all of them from the vector's width on); left > 0. */
+static inline __mmask16 lanes16(int64_t left) {
+    return left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);
+}
+
+static inline __mmask32 lanes32(int64_t left) {
+    return left >= 32 ? 0xffffffffu : (__mmask32)((1u << left) - 1u);
+}
+
+static inline __m512 bf16_as_f32(__m256i raw) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+static inline __m512 load_bf16_as_f32(const bf16 *p, __mmask16 m) {
+    return bf16_as_f32(_mm256_maskz_loadu_epi16(m, p));
+}
+
+/* silu(g) rounded, times u, rounded: torch's two bf16 ops, on 16 values each (g and
+ * u already bf16 values). e^-x for x < 0 can overflow exp512's range; silu is then
+ * -0 to within bf16, as torch gives. */
+static inline __m256i silu_mul16(__m512 g, __m512 u) {
+    const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(88.f)));
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    const __m512 sr = bf16_as_f32((__m256i)_mm512_cvtneps_pbh(silu));
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, u));
+}
+#endif
+
+#endif

@@ -1,0 +1,287 @@
+/*
+ * Paged attention, one query token per row, decode and prefill alike: row n attends
+ * to the first row_len[n] positions of the sequence whose block table is
+ * tables[row_table[n]] (bottom-right causal: the row's own position is
+ * row_len[n] - 1), the last `window` of them when window > 0. The query heads of
+ * one KV head (GQA) share every K/V row read. Scores are scaled, soft-capped when
+ * softcap > 0, and soft-maxed in fp32.
+ */
+#include "kernels.h"
+
+/* Query heads per KV head, padded to a divisor of 16 (the AVX-512 scores' layout). */
+#define ZS_PAD_GROUPS(g) ((g) <= 4 ? 4 : (g) <= 8 ? 8 : 16)
+
+#if ZS_AVX512
+
+/* The sums of four vectors: [sum a, sum b, sum c, sum d]. */
+static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, 0x44), _mm512_shuffle_ps(ab, cd, 0xEE));
+    const __m256 z = _mm256_add_ps(_mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
+}
+
+/* Always inlined: GCC takes a function that only prefetches for one without
+ * effects, and drops the calls to it. */
+static inline __attribute__((always_inline)) void prefetch_block(const bf16 *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+}
+
+/* Inlined into callers with constant d and groups, so the common shapes keep q and
+ * the accumulators in registers (a generic loop spills them, several times slower:
+ * BENCHMARKS.md §2, "Figures behind the code"). */
+static inline __attribute__((always_inline)) void attend_row_impl(
+    const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table,
+    int64_t start, int64_t len, int64_t h, int64_t hkv, const int64_t groups, const int64_t d,
+    int64_t bs, float scale, float softcap, bf16 *out, float *s, int64_t s_stride) {
+    const int64_t n = len - start;
+    const int64_t dk = (d + 31) / 32;  /* 32-bf16 chunks of a row (dot products) */
+    const int64_t dv = (d + 15) / 16;  /* 16-float chunks of a row (accumulation) */
+    __m512bh qv[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM / 32];
+    for (int64_t g = 0; g < ZS_PAD_GROUPS(groups); g++)
+        for (int64_t c = 0; c < dk; c++) {
+            const int64_t left = d - c * 32;
+            const __mmask32 m = lanes32(left);
+            qv[g][c] = g < groups ? (__m512bh)_mm512_maskz_loadu_epi16(m, q + g * d + c * 32)
+                                  : (__m512bh)_mm512_setzero_si512();
+        }
+    /* Scores go key-major, s[t * gp + g], gp a divisor of 16: each key's scores are
+     * one store, and the softmax below runs on whole vectors. */
+    const int64_t gp = ZS_PAD_GROUPS(groups);
+    __m128 best[ZS_MAX_GROUP / 4];
+    for (int64_t g = 0; g < gp; g += 4) best[g / 4] = _mm_set1_ps(-INFINITY);
+    /* The cache blocks are scattered, so the hardware prefetcher starts cold at each
+     * one: ask for the next K block and this block's V rows ahead of their use. */
+    const int64_t row_bytes = d * (int64_t)sizeof(bf16), block_bytes = bs * row_bytes;
+    prefetch_block(k_cache + (((int64_t)table[start / bs] * hkv + h) * bs) * d, block_bytes);
+    /* Block by block, so finding a row takes no division. */
+    for (int64_t t = 0, b = start / bs; t < n; b++) {
+        const int64_t base = ((int64_t)table[b] * hkv + h) * bs * d;
+        prefetch_block(v_cache + base, block_bytes);
+        if ((b + 1) * bs < len)
+            prefetch_block(k_cache + (((int64_t)table[b + 1] * hkv + h) * bs) * d, block_bytes);
+        const int64_t first = start + t - b * bs, stop = len - b * bs < bs ? len - b * bs : bs;
+        for (int64_t off = first; off < stop; off++, t++) {
+            const bf16 *kr = k_cache + base + off * d;
+            __m512bh kv[ZS_MAX_HEAD_DIM / 32];
+            for (int64_t c = 0; c < dk; c++) {
+                const int64_t left = d - c * 32;
+                const __mmask32 m = lanes32(left);
+                kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, kr + c * 32);
+            }
+            for (int64_t g = 0; g < gp; g += 4) {
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                for (int64_t c = 0; c < dk; c++) {
+                    a0 = _mm512_dpbf16_ps(a0, qv[g][c], kv[c]);
+                    a1 = _mm512_dpbf16_ps(a1, qv[g + 1][c], kv[c]);
+                    a2 = _mm512_dpbf16_ps(a2, qv[g + 2][c], kv[c]);
+                    a3 = _mm512_dpbf16_ps(a3, qv[g + 3][c], kv[c]);
+                }
+                __m128 r = _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale));
+                if (softcap > 0.f) {
+                    float x[4];
+                    _mm_storeu_ps(x, r);
+                    for (int j = 0; j < 4; j++) x[j] = tanhf(x[j] / softcap) * softcap;
+                    r = _mm_loadu_ps(x);
+                }
+                _mm_storeu_ps(s + t * gp + g, r);
+                best[g / 4] = _mm_max_ps(best[g / 4], r);
+            }
+        }
+    }
+    /* Softmax numerators in place, a whole vector (16 / gp keys) at a time; the
+     * padding past the last key is -inf and contributes nothing. */
+    const int64_t flat = n * gp, padded = (flat + 15) / 16 * 16;
+    for (int64_t i = flat; i < padded; i++) s[i] = -INFINITY;
+    float lane_max[16], lane_sum[16];
+    for (int64_t l = 0; l < 16; l += 4) _mm_storeu_ps(lane_max + l, best[(l % gp) / 4]);
+    const __m512 mx = _mm512_loadu_ps(lane_max), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < padded; i += 16) {
+        const __m512 x = _mm512_loadu_ps(s + i);
+        const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+        const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, mx)));
+        _mm512_storeu_ps(s + i, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    _mm512_storeu_ps(lane_sum, sum);
+    float inv[ZS_MAX_GROUP];
+    for (int64_t g = 0; g < groups; g++) {
+        float total = 0.f;
+        for (int64_t l = g; l < 16; l += gp) total += lane_sum[l];
+        inv[g] = 1.f / total;
+    }
+    /* Weighted V rows, each read once for the whole group. */
+    __m512 acc[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM / 16];
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t t = 0, b = start / bs; t < n; b++) {
+        const bf16 *vb = v_cache + ((int64_t)table[b] * hkv + h) * bs * d;
+        const int64_t first = start + t - b * bs, stop = len - b * bs < bs ? len - b * bs : bs;
+        for (int64_t off = first; off < stop; off++, t++) {
+            const bf16 *vr = vb + off * d;
+            __m512 vv[ZS_MAX_HEAD_DIM / 16];
+            for (int64_t c = 0; c < dv; c++) {
+                const int64_t left = d - c * 16;
+                vv[c] = load_bf16_as_f32(vr + c * 16, lanes16(left));
+            }
+            for (int64_t g = 0; g < groups; g++) {
+                const __m512 p = _mm512_set1_ps(s[t * gp + g]);
+                for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+            }
+        }
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512 f = _mm512_set1_ps(inv[g]);
+        for (int64_t c = 0; c < dv; c++) {
+            const int64_t left = d - c * 16;
+            const __mmask16 m = lanes16(left);
+            const __m256i o = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], f));
+            _mm256_mask_storeu_epi16(out + g * d + c * 16, m, o);
+        }
+    }
+}
+
+#define ZS_ATTEND(D, G) \
+    attend_row_impl(q, k_cache, v_cache, table, start, len, h, hkv, G, D, bs, scale, softcap, out, s, s_stride)
+
+static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
+                       const int32_t *table, int64_t start, int64_t len, int64_t h,
+                       int64_t hkv, int64_t groups, int64_t d, int64_t bs, float scale,
+                       float softcap, bf16 *out, float *s, int64_t s_stride) {
+    if (d == 64 && groups == 4) ZS_ATTEND(64, 4);
+    else if (d == 64 && groups == 8) ZS_ATTEND(64, 8);
+    else if (d == 64 && groups == 2) ZS_ATTEND(64, 2);
+    else if (d == 128 && groups == 4) ZS_ATTEND(128, 4);
+    else if (d == 128 && groups == 8) ZS_ATTEND(128, 8);
+    else if (d == 128 && groups == 2) ZS_ATTEND(128, 2);
+    else if (d == 128 && groups == 7) ZS_ATTEND(128, 7);
+    else if (d == 16 && groups == 2) ZS_ATTEND(16, 2);
+    else ZS_ATTEND(d, groups);
+}
+
+#else /* portable */
+
+/* Row `pos` of KV head h of a sequence in a [blocks, hkv, bs, d] cache, through its table. */
+static inline const bf16 *cache_row(const bf16 *cache, const int32_t *table, int64_t pos,
+                                    int64_t h, int64_t hkv, int64_t bs, int64_t d) {
+    return cache + (((int64_t)table[pos / bs] * hkv + h) * bs + pos % bs) * d;
+}
+
+static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
+                       const int32_t *table, int64_t start, int64_t len, int64_t h,
+                       int64_t hkv, int64_t groups, int64_t d, int64_t bs, float scale,
+                       float softcap, bf16 *out, float *s, int64_t s_stride) {
+    const int64_t n = len - start;
+    float qf[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM];
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t j = 0; j < d; j++) qf[g][j] = bf2f(q[g * d + j]);
+    float best[ZS_MAX_GROUP];
+    for (int64_t g = 0; g < groups; g++) best[g] = -INFINITY;
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t pos = start + t;
+        const bf16 *kr = cache_row(k_cache, table, pos, h, hkv, bs, d);
+        float kf[ZS_MAX_HEAD_DIM];
+        for (int64_t j = 0; j < d; j++) kf[j] = bf2f(kr[j]);
+        for (int64_t g = 0; g < groups; g++) {
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t j = 0; j < d; j++) dot += qf[g][j] * kf[j];
+            float x = dot * scale;
+            if (softcap > 0.f) x = tanhf(x / softcap) * softcap;
+            s[g * s_stride + t] = x;
+            if (x > best[g]) best[g] = x;
+        }
+    }
+    float inv[ZS_MAX_GROUP];
+    for (int64_t g = 0; g < groups; g++) {
+        float *sg = s + g * s_stride, sum = 0.f;
+        for (int64_t t = 0; t < n; t++) {
+            sg[t] = expf(sg[t] - best[g]);
+            sum += sg[t];
+        }
+        inv[g] = 1.f / sum;
+    }
+    float acc[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM];
+    memset(acc, 0, sizeof(acc));
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t pos = start + t;
+        const bf16 *vr = cache_row(v_cache, table, pos, h, hkv, bs, d);
+        float vf[ZS_MAX_HEAD_DIM];
+        for (int64_t j = 0; j < d; j++) vf[j] = bf2f(vr[j]);
+        for (int64_t g = 0; g < groups; g++) {
+            const float p = s[g * s_stride + t];
+#pragma omp simd
+            for (int64_t j = 0; j < d; j++) acc[g][j] += p * vf[j];
+        }
+    }
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t j = 0; j < d; j++) out[g * d + j] = f2bf(acc[g][j] * inv[g]);
+}
+
+#endif
+
+struct attention_job {
+    const bf16 *q;
+    int64_t q_stride;
+    const bf16 *k_cache, *v_cache;
+    const int32_t *tables;
+    int64_t table_stride;
+    const int32_t *row_table, *row_len;
+    int64_t hq, hkv, d, block_size, window;
+    float scale, softcap;
+    bf16 *out;
+    int64_t out_stride, s_stride;
+};
+
+/* The first key an item's row attends to (a sliding window starts late). */
+static inline int64_t item_start(const struct attention_job *j, int64_t len) {
+    return (j->window > 0 && len > j->window) ? len - j->window : 0;
+}
+
+/* Ask for all of one item's K and V blocks into L2: the blocks are scattered over
+ * the cache, so an item that starts cold waits on memory for each one. */
+static inline __attribute__((always_inline)) void prefetch_item(const struct attention_job *j,
+                                                                 int64_t item) {
+    const int64_t hkv = j->hkv, n = item / hkv, h = item % hkv, len = j->row_len[n];
+    const int64_t bs = j->block_size, bytes = bs * j->d * (int64_t)sizeof(bf16);
+    const int32_t *table = j->tables + (int64_t)j->row_table[n] * j->table_stride;
+    for (int64_t b = item_start(j, len) / bs; b * bs < len; b++) {
+        const int64_t base = ((int64_t)table[b] * hkv + h) * bs * j->d;
+        for (int64_t o = 0; o < bytes; o += 64) {
+            __builtin_prefetch((const char *)(j->k_cache + base) + o, 0, 2);
+            __builtin_prefetch((const char *)(j->v_cache + base) + o, 0, 2);
+        }
+    }
+}
+
+/* Items are (row, KV head) pairs; each one fetches the next while it computes. */
+static void attention_items(const void *job, int64_t begin, int64_t end) {
+    const struct attention_job *j = job;
+    const int64_t hkv = j->hkv, groups = j->hq / hkv, d = j->d;
+    float *s = zs_scratch(sizeof(float) * ZS_PAD_GROUPS(groups) * j->s_stride);
+    for (int64_t item = begin; item < end; item++) {
+        if (item + 1 < end) prefetch_item(j, item + 1);
+        const int64_t n = item / hkv, h = item % hkv;
+        const int64_t len = j->row_len[n];
+        const int64_t start = item_start(j, len);
+        attend_row(j->q + n * j->q_stride + h * groups * d, j->k_cache, j->v_cache,
+                   j->tables + (int64_t)j->row_table[n] * j->table_stride, start, len, h, hkv,
+                   groups, d, j->block_size, j->scale, j->softcap,
+                   j->out + n * j->out_stride + h * groups * d, s, j->s_stride);
+    }
+}
+
+void zs_paged_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache,
+                        const bf16 *v_cache, const int32_t *tables, int64_t table_stride,
+                        const int32_t *row_table, const int32_t *row_len, int64_t rows,
+                        int64_t hq, int64_t hkv, int64_t d, int64_t block_size, int64_t window,
+                        float scale, float softcap, bf16 *out, int64_t out_stride,
+                        int64_t max_len) {
+    /* Score rows padded to 16 floats (the vector width) per query head. */
+    const struct attention_job j = {q, q_stride, k_cache, v_cache, tables, table_stride,
+                                    row_table, row_len, hq, hkv, d, block_size, window,
+                                    scale, softcap, out, out_stride, (max_len + 15) / 16 * 16};
+    zs_parallel(rows * hkv, 4, 1, attention_items, &j);
+}

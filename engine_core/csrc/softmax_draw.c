@@ -1,0 +1,109 @@
+/*
+ * Sampling's last step for each row of fp32 logits (temperature, top-k/p and the
+ * processors already applied; -inf = excluded): softmax, then the inverse-CDF draw
+ * with that row's uniform u in [0, 1): the first token whose cumulative mass passes
+ * u times the row's total, found through sums of 16-token blocks. The target stays
+ * strictly below the total, and a token without mass is never the answer.
+ */
+#include "kernels.h"
+
+#if ZS_AVX512
+
+/* e[i] = exp(x[i] - m), 0 where x[i] is -inf (a masked token keeps no mass). */
+static void softmax_numerators(const float *x, float m, float *e, float *block_sums, int64_t vocab) {
+    const __m512 mx = _mm512_set1_ps(m), ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0, j = 0; i < vocab; i += 16, j++) {
+        const int64_t left = vocab - i;
+        const __mmask16 lane = lanes16(left);
+        const __m512 v = _mm512_mask_loadu_ps(ninf, lane, x + i);
+        const __mmask16 live = _mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ);
+        const __m512 ex = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(v, mx)));
+        _mm512_storeu_ps(e + i, ex);
+        block_sums[j] = _mm512_reduce_add_ps(ex);
+    }
+}
+
+static float row_max(const float *x, int64_t vocab) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= vocab; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
+    float best = _mm512_reduce_max_ps(m);
+    for (; i < vocab; i++) best = x[i] > best ? x[i] : best;
+    return best;
+}
+
+#else /* portable */
+
+static void softmax_numerators(const float *x, float m, float *e, float *block_sums, int64_t vocab) {
+    for (int64_t i = 0, j = 0; i < vocab; i += 16, j++) {
+        float sum = 0.f;
+        for (int64_t k = i; k < i + 16; k++) {
+            e[k] = (k < vocab && x[k] != -INFINITY) ? expf(x[k] - m) : 0.f;
+            sum += e[k];
+        }
+        block_sums[j] = sum;
+    }
+}
+
+static float row_max(const float *x, int64_t vocab) {
+    float best = -INFINITY;
+    for (int64_t i = 0; i < vocab; i++) best = x[i] > best ? x[i] : best;
+    return best;
+}
+
+#endif
+
+struct draw_job {
+    const float *logits;
+    int64_t stride;
+    const float *u;
+    int64_t vocab;
+    int64_t *out;
+};
+
+static void draw_rows(const void *job, int64_t begin, int64_t end) {
+    const struct draw_job *jb = job;
+    const float *logits = jb->logits, *u = jb->u;
+    const int64_t stride = jb->stride, vocab = jb->vocab;
+    int64_t *out = jb->out;
+    const int64_t blocks = (vocab + 15) / 16;
+    float *e = zs_scratch(sizeof(float) * (blocks * 16 + blocks));
+    float *block_sums = e + blocks * 16;
+    for (int64_t r = begin; r < end; r++) {
+        const float *x = logits + r * stride;
+        const float m = row_max(x, vocab);
+        softmax_numerators(x, m, e, block_sums, vocab);
+        float total = 0.f;
+        for (int64_t j = 0; j < blocks; j++) total += block_sums[j];
+        float target = u[r] * total;
+        const float below = total * (1.f - 1.f / 1048576.f);
+        if (target > below) target = below;
+        float acc = 0.f;
+        int64_t j = 0;
+        while (j < blocks - 1 && acc + block_sums[j] <= target) acc += block_sums[j++];
+        int64_t pick = -1, last = -1;
+        for (int64_t i = j * 16; i < j * 16 + 16 && i < vocab; i++) {
+            if (e[i] <= 0.f) continue;
+            last = i;
+            acc += e[i];
+            if (acc > target) {
+                pick = i;
+                break;
+            }
+        }
+        if (pick < 0) pick = last;  /* rounding left the target past the block */
+        if (pick < 0)               /* ... in a block without mass: the best token */
+            for (int64_t i = 0; i < vocab; i++)
+                if (x[i] == m) {
+                    pick = i;
+                    break;
+                }
+        out[r] = pick;
+    }
+}
+
+void zs_softmax_draw(const float *logits, int64_t stride, const float *u, int64_t rows,
+                     int64_t vocab, int64_t *out) {
+    const struct draw_job j = {logits, stride, u, vocab, out};
+    zs_parallel(rows, 1, rows * vocab >= 4 * ZS_PARALLEL_MIN, draw_rows, &j);
+}
