@@ -216,7 +216,7 @@ class GrammarService:
             if time.monotonic() >= job.deadline:
                 raise GrammarError(f"{spec.field}: dropped, its requests timed out in the queue")
             start = time.perf_counter()
-            compiled = compile_constraint(self._compiler, spec)
+            compiled = compile_constraint(self._compiler, self.tokenizer_info, spec)
             elapsed = time.perf_counter() - start
         except BaseException as e:
             if not isinstance(e, GrammarError):

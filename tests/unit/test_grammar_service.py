@@ -101,7 +101,7 @@ def test_the_key_is_stable_and_covers_the_constraint_but_not_the_field_name():
 
 
 def test_choices_with_quotes_backslashes_and_control_characters_are_matched_exactly(service):
-    choices = ['say "hi"', "back\\slash", "line\nbreak", "tab\there", "\x01F\x7f", "é✓🎉", ""]
+    choices = ['say "hi"', "back\\slash", "line\nbreak", "tab\there", "\x01F\x7f", "éa", "é✓🎉", ""]
     spec = StructuredOutputs(choice=choices)
     for choice in choices:
         assert accepts(grammar_of(service, spec), choice), choice
@@ -271,6 +271,35 @@ def test_special_and_padding_tokens_are_never_allowed_inside_the_text(service):
     ids = allowed(grammar)
     assert set(range(128)) <= ids  # every ASCII byte (a continuation byte cannot start)
     assert ids.isdisjoint({256, 257, EOS, *range(259, VOCAB)})  # specials, padding rows
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutputs(regex="."),
+        StructuredOutputs(regex="[^a]"),
+        StructuredOutputs(json='{"type": "string"}'),
+        StructuredOutputs(json='{"type": "string", "maxLength": 2}'),
+        StructuredOutputs(grammar="root ::= [^a]"),
+        StructuredOutputs(grammar="start: /[^a]/"),
+    ],
+)
+def test_no_constraint_lets_bytes_spell_a_surrogate_code_point(service, spec):
+    # xgrammar's classes include U+D800-DFFF, whose UTF-8 form is invalid UTF-8.
+    quote = b'"' if spec.json else b""
+    for text in ("\ud7ff", "\ue000", "é"):  # neighbours of the surrogate block pass
+        grammar = grammar_of(service, spec)
+        assert all(grammar.accept(b) for b in quote + text.encode() + quote), text
+    grammar = grammar_of(service, spec)
+    assert all(grammar.accept(b) for b in quote + b"\xed")
+    assert not grammar.accept(0xA0)  # ED A0..BF would spell U+D800..DFFF
+
+
+def test_a_length_bounded_json_string_takes_no_raw_control_character(service):
+    spec = StructuredOutputs(json='{"type": "string", "maxLength": 3}')
+    assert accepts(grammar_of(service, spec), '"ab"')
+    assert not accepts(grammar_of(service, spec), '"a\tb"')  # a raw tab: not JSON
+    assert not accepts(grammar_of(service, spec), '"\x15"')
 
 
 def test_rollback_forgets_accepted_tokens(service):
