@@ -8,6 +8,7 @@ fills them in. Never reorder or remove a field without bumping PROTOCOL_VERSION.
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from typing import Any
 
@@ -45,6 +46,65 @@ class FinishReason(enum.IntEnum):
 MAX_TEMPERATURE = 100.0
 
 
+# The constraint kinds of StructuredOutputs, in field order: exactly one is set.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class StructuredOutputs(_Wire):
+    """One output constraint, vLLM's `structured_outputs`: exactly one kind is set.
+
+    `json` is a JSON schema and `structural_tag` an xgrammar structural tag, both as
+    JSON text (object key order is kept: it is the order properties are generated
+    in); `grammar` is GBNF/EBNF, or Lark when no line defines a rule with `::=`.
+    `param` names the request field the constraint came from, for error messages
+    (`response_format.json_schema`, `guided_regex`, ...); it is not part of the key.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    param: str = ""
+
+    @property
+    def kind(self) -> str:
+        """The one constraint kind set; ValueError when none or several are."""
+        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            found = ", ".join(kinds) or "none"
+            raise ValueError(
+                f"{self.param or 'structured_outputs'}: set exactly one of "
+                f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; got {found}"
+            )
+        return kinds[0]
+
+    @property
+    def field(self) -> str:
+        """The request field to name in an error about this constraint."""
+        return self.param or f"structured_outputs.{self.kind}"
+
+    def key(self) -> bytes:
+        """A stable cache key: equal for constraints that compile to the same grammar."""
+        constraint = (
+            self.json,
+            self.regex,
+            self.choice,
+            self.grammar,
+            self.json_object,
+            self.structural_tag,
+            self.disable_any_whitespace,
+            self.disable_additional_properties,
+        )
+        return hashlib.blake2b(_KEY_ENCODER.encode(constraint), digest_size=16).digest()
+
+
+_KEY_ENCODER = msgspec.msgpack.Encoder()
+
+
 class SamplingParams(_Wire):
     """What the engine's sampler and stop checks need for one request.
 
@@ -68,6 +128,7 @@ class SamplingParams(_Wire):
     logprobs: int | None = None  # top-n per sampled token; 0 = only the sampled one
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class EngineCoreRequest(_Wire):
