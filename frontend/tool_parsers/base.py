@@ -70,6 +70,9 @@ class ToolParser:
     name: ClassVar[str] = ""
     # Markers that are special tokens vanish from the text unless the request keeps them.
     keep_special_tokens: ClassVar[bool] = False
+    # Text that begins every call. Until one appears, streamed text is content and needs no
+    # scan (formats whose calls can only come first use `starts_plain` instead).
+    markers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -87,6 +90,12 @@ class ToolParser:
         """What `text` says so far. `final` means no more text will come: nothing is held
         back as a possible tag, and unfinished calls are errors."""
         raise NotImplementedError
+
+    def starts_plain(self, head: str) -> bool | None:
+        """For formats without `markers`: True when `head`, the start of the text, already
+        rules out calls (all of the text is content), False when it may begin one, None
+        while undecided."""
+        return False
 
     def open_call(self, scan: Scan, start: int) -> CallScan:
         """Add a call that begins at `start`; past the call limit it is born broken, which

@@ -16,6 +16,7 @@ END = "</tool_call>"
 @register_tool_parser("hermes")
 class HermesToolParser(ToolParser):
     keep_special_tokens = True  # some checkpoints make the tags special tokens
+    markers = (START,)
 
     def scan(self, text: str, final: bool) -> Scan:
         scan = Scan()

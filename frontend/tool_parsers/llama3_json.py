@@ -19,6 +19,12 @@ ARG_KEYS = ("parameters", "arguments")
 class Llama3JsonToolParser(ToolParser):
     keep_special_tokens = True  # <|python_tag|> is a special token
 
+    def starts_plain(self, head: str) -> bool | None:
+        rest = head[skip_ws(head, 0) :]
+        if not rest or (PYTHON_TAG.startswith(rest) and rest != PYTHON_TAG):
+            return None
+        return not (rest.startswith("{") or rest.startswith(PYTHON_TAG))
+
     def scan(self, text: str, final: bool) -> Scan:
         i = skip_ws(text, 0)
         tagged = text.startswith(PYTHON_TAG, i)

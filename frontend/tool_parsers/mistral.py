@@ -28,6 +28,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 @register_tool_parser("mistral")
 class MistralToolParser(ToolParser):
     keep_special_tokens = True  # [TOOL_CALLS] is a control token
+    markers = (MARK,)
 
     def new_call_id(self) -> str:
         return mistral_call_id()

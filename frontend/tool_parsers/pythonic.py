@@ -26,6 +26,10 @@ _STRING_TAIL = {
 
 @register_tool_parser("pythonic")
 class PythonicToolParser(ToolParser):
+    def starts_plain(self, head: str) -> bool | None:
+        i = skip_ws(head, 0)
+        return None if i == len(head) else head[i] != "["
+
     def scan(self, text: str, final: bool) -> Scan:
         i = skip_ws(text, 0)
         if i == len(text) or text[i] != "[":

@@ -35,6 +35,7 @@ _STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
 @register_tool_parser("qwen3_xml", "qwen3_coder")
 class Qwen3XmlToolParser(ToolParser):
     keep_special_tokens = True
+    markers = (START, FUNCTION)
 
     def __init__(self, tools: list[dict[str, Any]] | None = None, limits=None):
         super().__init__(tools, limits)
