@@ -93,7 +93,9 @@ def llama3(calls, tag=True, style=0) -> str:
 
 
 def mistral_list(calls, before="", style=0) -> str:
-    return before + "[TOOL_CALLS]" + json_text([{"name": n, "arguments": a} for n, a in calls], style)
+    return (
+        before + "[TOOL_CALLS]" + json_text([{"name": n, "arguments": a} for n, a in calls], style)
+    )
 
 
 def mistral_v11(calls, before="", style=0, args_tag=False) -> str:
@@ -102,7 +104,11 @@ def mistral_v11(calls, before="", style=0, args_tag=False) -> str:
 
 
 def pythonic(calls) -> str:
-    return "[" + ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in calls) + "]"
+    return (
+        "["
+        + ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in calls)
+        + "]"
+    )
 
 
 def qwen3_xml(calls, before="", after="") -> str:
