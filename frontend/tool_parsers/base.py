@@ -4,7 +4,8 @@ A format implements one pure function, `scan(text, final)`, describing what the 
 far. Everything a scan reports must stay true as the text grows (names appear only once
 complete, arguments only as a prefix no continuation can change); `ToolStreamState` turns the
 difference between two scans into OpenAI deltas, and `extract` reads a finished text. Because
-both read the same scans, a stream of any chunking reassembles to the non-streamed result.
+both read the same scans, a well-formed message streamed in any chunking reassembles to
+exactly the non-streamed result.
 """
 
 from __future__ import annotations

@@ -153,6 +153,11 @@ def dumps(value: Any) -> str:
     return text
 
 
+def is_utf8(text: str) -> bool:
+    """False for text with a lone surrogate (from a `\\ud800` escape): it cannot go out."""
+    return _SURROGATE.search(text) is None
+
+
 def canonical_arguments(text: str) -> str:
     """The arguments string for a complete JSON object written by the model."""
     value = loads(text)

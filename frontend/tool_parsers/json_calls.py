@@ -8,6 +8,7 @@ from frontend.tool_parsers.base import CallScan, Scan
 from frontend.tool_parsers.json_args import (
     Malformed,
     canonical_arguments,
+    is_utf8,
     loads,
     object_members,
     skip_ws,
@@ -31,7 +32,7 @@ def read_call_object(text: str, pos: int, call: CallScan, arg_keys: tuple[str, .
         call.arguments = _arguments(text, args_m.start, args_m.end)
     if name_m is not None and name_m.end is not None and args_m is not None:
         name = loads(text[name_m.start : name_m.end])
-        if not isinstance(name, str) or not name:
+        if not isinstance(name, str) or not name or not is_utf8(name):
             raise Malformed("the function name must be a non-empty string")
         call.name = name
     return end

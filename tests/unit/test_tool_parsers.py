@@ -220,6 +220,7 @@ MALFORMED = [
     ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1, "a": 2}}</tool_call>'),
     ("hermes", '<tool_call>{"name": "f", "arguments": {"a": NaN}}</tool_call>'),
     ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "\\udc00", "arguments": {}}</tool_call>'),
     ("hermes", '<tool_call>{"name": "f", "arguments": {}} trailing</tool_call>'),
     ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name"'),
     ("llama3_json", '{"name": "Ada", "age": 36}'),  # a JSON answer, not a call
@@ -407,6 +408,9 @@ def test_qwen3_xml_string_parameters_any_chunking(params, cuts):
 
 FRAGMENTS = st.sampled_from(
     [
+        "\\ud83d",  # JSON escapes of a surrogate pair's halves and of é
+        "\\ude00",
+        "\\u00e9",
         "<tool_call>",
         "</tool_call>",
         "<tool_",

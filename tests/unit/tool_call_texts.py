@@ -7,6 +7,8 @@ import json
 import re
 from dataclasses import dataclass
 
+import orjson
+
 from frontend.chat_deltas import DeltaMessage
 from frontend.tool_parsers import ToolParser
 
@@ -39,6 +41,7 @@ def assemble(deltas: list[DeltaMessage]) -> Assembled:
     for d in deltas:
         shape = d.to_dict()
         assert len(shape) == 1, shape
+        orjson.dumps(shape)  # what the SSE writer does: fails on text that is not UTF-8
         if d.tool_call is None:
             text = d.content if d.content is not None else d.reasoning
             assert text, "an empty delta went out"
