@@ -213,6 +213,42 @@ def test_required_schema_accepts_calls_of_the_tools_and_nothing_else():
             jsonschema.validate(sample, schema)
 
 
+def test_required_schema_keeps_a_tools_references_to_its_own_root():
+    node = tool(
+        "node",
+        {
+            "type": "object",
+            "properties": {
+                "v": {"type": "integer"},
+                "kids": {"type": "array", "items": {"$ref": "#"}},
+            },
+            "required": ["v"],
+        },
+    )
+    legacy = tool(
+        "legacy",
+        {
+            "type": "object",
+            "properties": {"a": {"$ref": "#/definitions/A"}},
+            "definitions": {"A": {"type": "string"}},
+        },
+    )
+    schema = required_tools_schema(validate_tools([node, legacy]))
+    jsonschema.validate(
+        [
+            {"name": "node", "parameters": {"v": 1, "kids": [{"v": 2}]}},
+            {"name": "legacy", "parameters": {"a": "x"}},
+        ],
+        schema,
+    )
+    for bad in (
+        {"name": "node", "parameters": {"v": 1, "kids": [{}]}},
+        {"name": "legacy", "parameters": {"a": 1}},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([bad], schema)
+
+
 def test_required_schema_with_parallel_calls_off_allows_one_call():
     schema = required_tools_schema(validate_tools([WEATHER]), parallel_tool_calls=False)
     call = {"name": "get_weather", "parameters": {"city": "Paris"}}
