@@ -74,6 +74,11 @@ class CpuKernels:
         self.threads = self.set_threads(torch.get_num_threads())
         # Whether linear()/pack_linear() exist: the AVX512-BF16 matmul.
         self.has_linear = self.avx512
+        # Whether the forward uses it: where the CPU has AMX tiles, oneDNN's matmul
+        # (torch's) runs on them and beats ours by 2-3x (a decode step at batch 128:
+        # 26 -> 10 ms; prefill 7.5k -> 25k tok/s; BENCHMARKS.md §2), so the forward
+        # keeps the other kernels and leaves the matmuls to oneDNN.
+        self.use_linear = self.has_linear and not _amx_available()
         if self.has_linear:
             for name, argtypes in _LINEAR_SIGNATURES.items():
                 fn = getattr(lib, name)
@@ -308,3 +313,12 @@ def _cpu_identity() -> bytes:
         return platform.processor().encode()
     keep = [ln for ln in lines if ln.startswith(("model name", "flags", "cpu family", "model\t"))]
     return "\n".join(sorted(set(keep))).encode()
+
+
+def _amx_available() -> bool:
+    """Whether torch's oneDNN can run bf16 matmuls on AMX tiles here."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(probe()) if probe is not None else False
+    except RuntimeError:
+        return False

@@ -74,7 +74,7 @@ class _Linear:
         self.silu_mul, self.bias_f32, self.f32 = silu_mul, None, f32
         self.width = weight.shape[0] // 2 if silu_mul else weight.shape[0]
         bf16_cpu = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-        self.fused = bf16_cpu and kernels is not None and kernels.has_linear
+        self.fused = bf16_cpu and kernels is not None and kernels.use_linear
         if self.fused:
             self.packed = kernels.pack_linear(weight, gated=silu_mul)
             self.bias_f32 = None if bias is None else bias.float().contiguous()
