@@ -15,9 +15,15 @@ __all__ = ["EngineProcConfig", "api_server_main", "engine_main"]
 
 
 def api_server_main(cfg: APIServerConfig, pipe) -> None:
-    from frontend.server import run_api_server
+    """One API server: HTTP, or gRPC with --grpc (the one place that chooses)."""
+    if cfg.frontend.grpc:
+        from frontend.grpc_server import run_grpc_server
 
-    run_api_server(cfg, pipe)
+        run_grpc_server(cfg, pipe)
+    else:
+        from frontend.server import run_api_server
+
+        run_api_server(cfg, pipe)
 
 
 def engine_main(cfg: EngineProcConfig) -> None:

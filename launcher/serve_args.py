@@ -112,6 +112,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="model names the API accepts; the first is the one responses report",
     )
     g.add_argument("--uvicorn-log-level", default="warning")
+    g.add_argument(
+        "--grpc",
+        action="store_true",
+        help="serve gRPC on --port instead of HTTP: the VllmEngine service of smg-grpc-proto "
+        "(token ids in and out), for model gateways such as SMG",
+    )
 
     g = p.add_argument_group("model")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder or id (default: MODEL)")
@@ -379,6 +385,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="most messages in one chat request",
     )
     g.add_argument(
+        "--max-concurrent-streams",
+        type=_positive,
+        default=RequestLimits.max_concurrent_streams,
+        help="most gRPC streams (requests) one connection may hold open at once (--grpc)",
+    )
+    g.add_argument(
         "--tokenizer-pool-size",
         type=int,
         default=1,
@@ -450,6 +462,8 @@ def refuse_unsupported(args: argparse.Namespace) -> str | None:
             f"--tensor-parallel-size {args.tensor_parallel_size} is not supported: zserve "
             f"runs one device per engine; scale out with --data-parallel-size"
         )
+    if args.grpc and bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        return "--grpc with TLS needs both --ssl-certfile and --ssl-keyfile"
     local = args.data_parallel_size_local
     if local is not None and not 0 <= local <= args.data_parallel_size:
         return (

@@ -121,6 +121,7 @@ def frontend_config(args: argparse.Namespace, model_dir: str, tokenizer_dir: str
         served_model_names=names,
         host=args.host,
         port=args.port,
+        grpc=args.grpc,
         api_server_count=args.api_server_count,
         num_engines=args.data_parallel_size,
         engine_ready_timeout_s=args.engine_ready_timeout,
@@ -167,6 +168,7 @@ def frontend_config(args: argparse.Namespace, model_dir: str, tokenizer_dir: str
             max_stop_chars=args.max_stop_string_length,
             max_request_id_chars=args.max_request_id_length,
             max_messages=args.max_chat_messages,
+            max_concurrent_streams=args.max_concurrent_streams,
         ),
         tokenizer_pool_size=args.tokenizer_pool_size,
         tokenize_timeout_s=args.tokenize_timeout,
@@ -267,7 +269,8 @@ class Supervisor:
             self.wait_api_servers_serving()
             host = self.args.host or "0.0.0.0"
             log.info(
-                "zserve ready on http://%s:%d (%d API server(s), %d engine(s))",
+                "zserve ready on %s://%s:%d (%d API server(s), %d engine(s))",
+                "grpc" if self.args.grpc else "http",
                 host,
                 self.args.port,
                 len(self.api_servers),
