@@ -89,9 +89,11 @@ class Gateway:
 @pytest.fixture(scope="module")
 def workers(tiny_model):
     with (
-        GRPCZServe(str(tiny_model("llama")), *WORKER_FLAGS) as a,
-        GRPCZServe(str(tiny_model("llama")), *WORKER_FLAGS) as b,
+        GRPCZServe(str(tiny_model("llama")), *WORKER_FLAGS, wait_ready=False) as a,
+        GRPCZServe(str(tiny_model("llama")), *WORKER_FLAGS, wait_ready=False) as b,
     ):
+        a.wait_until_ready()  # both start at once
+        b.wait_until_ready()
         yield a, b
         logs = a.log() + b.log()
     assert "Traceback" not in logs, logs[-4000:]
