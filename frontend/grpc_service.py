@@ -105,7 +105,7 @@ class EngineService(VllmEngineServicer):
                     yield response
         except APIError as e:
             rid = generation.request_id if generation else request.request_id[:256]
-            if e.status >= 500:
+            if e.status >= 500 and e.status != 503:  # a full or draining server is no news
                 log.warning("request %s failed: %s", rid, e.message)
             await context.abort(status_of(e), details_of(e))
         except (asyncio.CancelledError, grpc.aio.AbortError):
