@@ -88,5 +88,10 @@ class Admission:
         self._write()
 
 
-def _busy(message: str) -> APIError:
-    return APIError(message, 503, headers={"Retry-After": "1"})
+class OverloadedError(APIError):
+    """A 503 of admission control: the server is full, not broken (gRPC tells the two
+    apart: RESOURCE_EXHAUSTED, not UNAVAILABLE)."""
+
+
+def _busy(message: str) -> OverloadedError:
+    return OverloadedError(message, 503, headers={"Retry-After": "1"})

@@ -15,6 +15,7 @@ class FrontendConfig:
     served_model_names: list[str]
     host: str | None = "0.0.0.0"
     port: int = 8000
+    grpc: bool = False  # serve the VllmEngine gRPC service (grpc_server.py), not HTTP
     api_server_count: int = 1
     num_engines: int = 1
     engine_ready_timeout_s: float = 600.0

@@ -17,6 +17,7 @@ from frontend.detokenizer import IncrementalDetokenizer
 from frontend.engine_client import EngineClient, EngineState, RequestStream
 from frontend.errors import APIError
 from protocol.messages import (
+    EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
     Logprobs,
@@ -169,6 +170,16 @@ class Generation:
         ids = [c.engine_request_id for c in self.choices if c.stream and not c.stream.finished]
         if ids:
             self.client.abort(ids)
+
+    def cancel(self) -> None:
+        """End every unfinished choice as aborted (a client's Abort): free them in the
+        engine, and let whoever streams this generation see them finish."""
+        self.abort()
+        for choice in self.choices:
+            if choice.stream is not None and not choice.finished:
+                choice.stream.put(
+                    EngineCoreOutput(choice.engine_request_id, [], FinishReason.ABORT)
+                )
 
     async def deltas(self, keep_alive_s: float | None = None, stream_interval: int = 1):
         """Yield lists of ChoiceDelta as outputs arrive, one delta per engine output;

@@ -28,6 +28,7 @@ class RequestLimits:
     max_stop_chars: int = 1024  # per stop string
     max_request_id_chars: int = 256
     max_messages: int = 1024  # messages of one chat request
+    max_concurrent_streams: int = 1024  # gRPC streams one HTTP/2 connection may hold open
 
 
 def check_request_id(value: str, field: str, limits: RequestLimits) -> None:

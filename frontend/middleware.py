@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import importlib
 import inspect
 import uuid
@@ -11,13 +10,13 @@ from starlette.applications import Starlette
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from frontend.api_key import bearer_matches
 from frontend.errors import error_response
 
 
 class APIKeyMiddleware:
     """Every route needs `Authorization: Bearer <key>` except `open_paths` (the probes
-    and the scrape route, from app.ROUTES) and CORS preflights; compared in constant
-    time so the key cannot be guessed byte by byte from response times."""
+    and the scrape route, from app.ROUTES) and CORS preflights (api_key.py)."""
 
     def __init__(
         self, app: ASGIApp, api_key: str, open_paths: frozenset[str], root_path: str = ""
@@ -37,14 +36,8 @@ class APIKeyMiddleware:
         if path in self.open_paths:
             await self.app(scope, receive, send)
             return
-        given = b""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                scheme, _, token = value.partition(b" ")
-                if scheme.lower() == b"bearer":  # RFC 7235: the scheme is case-insensitive
-                    given = token.strip()
-                break
-        if not hmac.compare_digest(given, self.expected):
+        given = next((v for name, v in scope["headers"] if name == b"authorization"), None)
+        if not bearer_matches(given, self.expected):
             response = error_response(
                 "Unauthorized: send the API key as 'Authorization: Bearer <key>'", 401
             )

@@ -19,10 +19,16 @@ if TYPE_CHECKING:
 
 
 def api_server_main(cfg: APIServerConfig, pipe: Connection) -> None:
+    """One API server: HTTP, or gRPC with --grpc (the one place that chooses)."""
     set_up_child(f"api{cfg.client_index}", cfg.frontend.log_level, cfg.parent_pid, cfg.cpus)
-    from frontend.server import run_api_server
+    if cfg.frontend.grpc:
+        from frontend.grpc_server import run_grpc_server
 
-    run_api_server(cfg, pipe)
+        run_grpc_server(cfg, pipe)
+    else:
+        from frontend.server import run_api_server
+
+        run_api_server(cfg, pipe)
 
 
 def engine_main(cfg: EngineProcConfig) -> None:

@@ -165,6 +165,7 @@ def frontend_config(
         served_model_names=args.served_model_name or [args.model or "zserve-default"],
         host=args.host,
         port=args.port,
+        grpc=args.grpc,
         api_server_count=topology.api_server_count,
         num_engines=topology.data_parallel_size,
         engine_ready_timeout_s=args.engine_ready_timeout,
@@ -220,6 +221,7 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
         max_stop_chars=args.max_stop_string_length,
         max_request_id_chars=args.max_request_id_length,
         max_messages=args.max_chat_messages,
+        max_concurrent_streams=args.max_concurrent_streams,
     )
 
 
@@ -277,6 +279,8 @@ def refuse_unsupported(args: argparse.Namespace) -> str | None:
             f"--tensor-parallel-size {args.tensor_parallel_size} is not supported: zserve "
             f"runs one device per engine; scale out with --data-parallel-size"
         )
+    if args.grpc and bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        return "--grpc with TLS needs both --ssl-certfile and --ssl-keyfile"
     local = args.data_parallel_size_local
     if local is not None and not 0 <= local <= args.data_parallel_size:
         return (

@@ -111,6 +111,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="model names the API accepts; the first is the one responses report",
     )
     g.add_argument("--uvicorn-log-level", default="warning")
+    g.add_argument(
+        "--grpc",
+        action="store_true",
+        help="serve gRPC on --port instead of HTTP: the VllmEngine service of smg-grpc-proto "
+        "(token ids in and out), for model gateways such as SMG",
+    )
 
     g = p.add_argument_group("model")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder or id (default: MODEL)")
@@ -376,6 +382,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=_positive,
         default=RequestLimits.max_messages,
         help="most messages in one chat request",
+    )
+    g.add_argument(
+        "--max-concurrent-streams",
+        type=_positive,
+        default=RequestLimits.max_concurrent_streams,
+        help="most gRPC streams (requests) one connection may hold open at once (--grpc)",
     )
     g.add_argument(
         "--tokenizer-pool-size",

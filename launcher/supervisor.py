@@ -84,7 +84,8 @@ class Supervisor:
         )
         self.api_servers.wait_serving()
         log.info(
-            "zserve ready on http://%s:%d (%d API server(s), %d engine(s))",
+            "zserve ready on %s://%s:%d (%d API server(s), %d engine(s))",
+            "grpc" if frontend.grpc else "http",
             frontend.host or "0.0.0.0",
             frontend.port,
             len(self.api_servers.children),

@@ -1,0 +1,328 @@
+"""The VllmEngine gRPC service (smg-grpc-proto's `vllm_engine.proto`) on zserve's own
+engine client: what model gateways such as SMG speak to a vLLM worker.
+
+Every RPC goes through the same ServingContext as the HTTP routes: admission, the
+engine balancer, metrics, the drain, abort when the caller goes away. Errors leave as
+gRPC status codes whose details name the field (status_of)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated.vllm_engine_pb2_grpc import VllmEngineServicer
+
+from frontend.admission import OverloadedError
+from frontend.errors import APIError
+from frontend.generation import Generation
+from frontend.grpc_inputs import check_rank, read_generate
+from frontend.grpc_outputs import final_responses, stream_responses
+from frontend.serving import ServingContext
+from frontend.tokenizer_bundle import TokenizerBundle
+
+log = logging.getLogger("zserve.grpc")
+
+SERVER_TYPE = "zserve-grpc"
+FLUSH_MAX_TIMEOUT_S = 600.0
+UTILITY_TIMEOUT_S = 30.0
+
+_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    501: grpc.StatusCode.UNIMPLEMENTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+# The HTTP path's error params that are a proto field under another name.
+_FIELDS = {"prompt": "tokenized.input_ids", "input_tokens": "tokenized.input_ids"}
+_FIELDS.update((f.name, f"sampling_params.{f.name}") for f in pb.SamplingParams.DESCRIPTOR.fields)
+
+
+def details_of(error: APIError) -> str:
+    """The error's message, naming the field as the proto spells it."""
+    field = _FIELDS.get(error.param or "")
+    if field is None or error.message.startswith(field):
+        return error.message
+    if error.message.startswith(f"{error.param}:"):
+        return field + error.message[len(error.param) :]
+    return f"{field}: {error.message}"
+
+
+def status_of(error: APIError) -> grpc.StatusCode:
+    """The HTTP path's error as a gRPC code: a full server is RESOURCE_EXHAUSTED (try
+    later or elsewhere), a draining or engine-less one UNAVAILABLE."""
+    if isinstance(error, OverloadedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    return _CODES.get(error.status, grpc.StatusCode.INTERNAL)
+
+
+class EngineService(VllmEngineServicer):
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+        self.started = time.time()
+        self.last_receive = 0.0
+        # Client request id -> its running generations (ids may repeat across callers).
+        self.by_id: dict[str, set[Generation]] = {}
+        self.tokenizer = TokenizerBundle(ctx.config.tokenizer_dir)
+
+    # --- generation -----------------------------------------------------------------
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        ctx = self.ctx
+        self.last_receive = time.time()
+        ctx.in_flight += 1
+        generation = None
+        try:
+            g = await read_generate(ctx, request)
+            generation = ctx.submit(g.inputs, [g.prompt], g.params)
+            self.by_id.setdefault(generation.request_id, set()).add(generation)
+            await context.send_initial_metadata(
+                (
+                    ("x-engine-rank", str(generation.engine.rank)),
+                    ("x-api-server", str(ctx.client_index)),
+                )
+            )
+            if request.stream:
+                async for response in stream_responses(generation, ctx.config.stream_interval):
+                    yield response
+            else:
+                generation.keep_logprobs = g.params.logprobs is not None
+                await generation.drain()
+                for response in final_responses(generation):
+                    yield response
+        except APIError as e:
+            rid = generation.request_id if generation else request.request_id[:256]
+            if e.status >= 500 and e.status != 503:  # a full or draining server is no news
+                log.warning("request %s failed: %s", rid, e.message)
+            await context.abort(status_of(e), details_of(e))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise  # the caller went away (finish() aborts the engine requests)
+        except Exception:
+            rid = generation.request_id if generation else request.request_id[:256]
+            log.exception("internal error in Generate (request id %s)", rid)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal server error")
+        finally:
+            ctx.in_flight -= 1
+            if generation is not None:
+                self._forget(generation)
+                ctx.finish(generation)
+
+    def _forget(self, generation: Generation) -> None:
+        running = self.by_id.get(generation.request_id)
+        if running is not None:
+            running.discard(generation)
+            if not running:
+                del self.by_id[generation.request_id]
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        """End the named requests: their Generate streams finish with "abort". Unknown
+        ids are ignored (the request may have finished already)."""
+        limit = self.ctx.limits.max_sequences
+        if len(request.request_ids) > limit:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request_ids has {len(request.request_ids)} ids; at most {limit} per call "
+                f"are allowed (--max-sequences-per-request)",
+            )
+        for rid in request.request_ids:
+            for generation in list(self.by_id.get(rid, ())):
+                generation.cancel()
+        return pb.AbortResponse()
+
+    async def Embed(self, request, context: grpc.aio.ServicerContext):
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "Embed: this server serves generative models only; embeddings are not supported",
+        )
+
+    # --- state ----------------------------------------------------------------------------
+
+    async def HealthCheck(
+        self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HealthCheckResponse:
+        """Readiness, as GET /health: unhealthy while draining or with a dead engine."""
+        ctx = self.ctx
+        dead = [e for e in ctx.client.engines if not e.alive]
+        if ctx.draining:
+            return pb.HealthCheckResponse(healthy=False, message="the server is shutting down")
+        if dead:
+            e = dead[0]
+            return pb.HealthCheckResponse(
+                healthy=False, message=f"engine {e.rank} is dead: {e.dead_reason}"
+            )
+        return pb.HealthCheckResponse(healthy=True, message="Healthy")
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        ctx = self.ctx
+        config = ctx.renderer.config
+        tokenizer = ctx.renderer.tokenizer
+        return pb.GetModelInfoResponse(
+            model_path=ctx.model_name,  # never the model's path on this machine
+            is_generation=True,
+            max_context_length=ctx.max_model_len,
+            vocab_size=ctx.vocab_size,
+            supports_vision=False,
+            served_model_name=ctx.model_name,
+            model_type=str(config.get("model_type") or ""),
+            architectures=[str(a) for a in config.get("architectures") or []],
+            eos_token_ids=ctx.renderer.eos_token_ids,
+            pad_token_id=_token_id(config.get("pad_token_id"), tokenizer.pad_token_id),
+            bos_token_id=_token_id(config.get("bos_token_id"), tokenizer.bos_token_id),
+            max_req_input_len=ctx.max_model_len - 1,
+            default_sampling_params_json=json.dumps(ctx.defaults) if ctx.defaults else "",
+        )
+
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetServerInfoResponse:
+        ctx = self.ctx
+        ready = next((e.ready for e in ctx.client.engines if e.ready), None)
+        return pb.GetServerInfoResponse(
+            active_requests=ctx.admission.totals()[0],
+            is_paused=False,
+            last_receive_timestamp=self.last_receive,
+            uptime_seconds=time.time() - self.started,
+            server_type=SERVER_TYPE,
+            data_parallel_size=len(ctx.client.engines),
+            kv_cache_dtype="auto",
+            block_size=ready.block_size if ready else 0,
+            model_dtype=ready.dtype if ready else "",
+        )
+
+    async def GetLoads(
+        self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetLoadsResponse:
+        """Every engine's last reported state (or one rank's, `dp_rank`)."""
+        engines = self.ctx.client.engines
+        if request.HasField("dp_rank"):
+            try:
+                engines = [engines[check_rank(request.dp_rank, len(engines))]]
+            except APIError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
+        loads = [_load(e) for e in engines]
+        return pb.GetLoadsResponse(
+            timestamp=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            version=SERVER_TYPE,
+            dp_rank_count=len(loads),
+            loads=loads,
+        )
+
+    async def GetTokenizer(
+        self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        """The tokenizer's files as a zip, in chunks; the SHA-256 rides on the last."""
+        try:
+            data, sha256 = await self.tokenizer.archive()
+        except OSError as e:
+            log.error("cannot build the tokenizer bundle: %s", e)
+            await context.abort(grpc.StatusCode.INTERNAL, "the tokenizer files cannot be read")
+        for chunk, last in self.tokenizer.chunks(data):
+            yield common_pb2.GetTokenizerChunk(data=chunk, sha256=sha256 if last else "")
+
+    # --- administration -------------------------------------------------------------------
+
+    async def FlushCache(
+        self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.FlushCacheResponse:
+        """Forget every engine's prefix cache. An engine refuses while requests hold
+        blocks; `timeout_s` > 0 retries until they are done or it runs out."""
+        timeout = request.timeout_s
+        if not (math.isfinite(timeout) and 0 <= timeout <= FLUSH_MAX_TIMEOUT_S):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"timeout_s must be between 0 and {FLUSH_MAX_TIMEOUT_S:g} seconds, got {timeout}",
+            )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                done = await self._reset_prefix_caches()
+            except (TimeoutError, RuntimeError) as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"cache flush failed: {e}")
+            if done:
+                return common_pb2.FlushCacheResponse(
+                    success=True, message="prefix cache flushed on every engine"
+                )
+            if loop.time() >= deadline:
+                return common_pb2.FlushCacheResponse(
+                    success=False,
+                    message="an engine refused to flush its prefix cache: requests still "
+                    "hold cache blocks (retry, or send a timeout_s to wait for them)",
+                )
+            await asyncio.sleep(min(0.1, max(0.0, deadline - loop.time())))
+
+    async def _reset_prefix_caches(self) -> bool:
+        client = self.ctx.client
+        engines = [e for e in client.engines if e.alive]
+        if not engines:
+            raise RuntimeError("no engine is alive")
+        results = await asyncio.wait_for(
+            asyncio.gather(*(client.call_utility(e, "reset_prefix_cache") for e in engines)),
+            UTILITY_TIMEOUT_S,
+        )
+        return all(r is True for r in results)
+
+    async def StartProfile(self, request, context: grpc.aio.ServicerContext):
+        await self._no_profiler(context)
+
+    async def StopProfile(self, request, context: grpc.aio.ServicerContext):
+        await self._no_profiler(context)
+
+    async def _no_profiler(self, context: grpc.aio.ServicerContext) -> None:
+        # HOOK(issue 18 §3): start and stop the engines' profiler here once
+        # --profiler-config exists.
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "this server has no profiler configured (zserve's --profiler-config is not "
+            "available yet)",
+        )
+
+    async def SubscribeKvEvents(self, request, context: grpc.aio.ServicerContext):
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "SubscribeKvEvents: this server publishes no KV cache events; poll GetLoads",
+        )
+
+
+def _load(engine) -> pb.SchedulerLoad:
+    s, ready = engine.stats, engine.ready
+    block_size = ready.block_size if ready else 0
+    return pb.SchedulerLoad(
+        dp_rank=engine.rank,
+        num_running_reqs=s.num_running,
+        num_waiting_reqs=s.num_waiting,
+        num_total_reqs=s.num_running + s.num_waiting,
+        num_used_tokens=(s.num_total_blocks - s.num_free_blocks) * block_size,
+        max_total_num_tokens=(ready.num_kv_blocks * block_size) if ready else 0,
+        token_usage=s.kv_cache_usage,
+        cache_hit_rate=(
+            s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        ),
+    )
+
+
+def _token_id(*candidates) -> int:
+    """The first id the config or tokenizer names (-1: none), as an int32."""
+    for value in candidates:
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if isinstance(value, int) and 0 <= value < 2**31:
+            return value
+    return -1

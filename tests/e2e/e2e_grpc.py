@@ -1,0 +1,133 @@
+"""What the gRPC e2e tests share: a `zserve serve --grpc` subprocess that is ready when
+its HealthCheck says so, channels and stubs, and small readers of its state."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated.vllm_engine_pb2_grpc import VllmEngineStub
+from zserve_proc import ZServe
+
+
+class GRPCZServe(ZServe):
+    """`zserve serve --grpc`; TLS when given the certificate to trust."""
+
+    def __init__(self, *args, cert: Path | None = None, **kwargs) -> None:
+        super().__init__(*args, "--grpc", **kwargs)
+        self.cert = cert.read_bytes() if cert else None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def channel(self) -> grpc.Channel:
+        if self.cert is None:
+            return grpc.insecure_channel(self.target)
+        return grpc.secure_channel(self.target, grpc.ssl_channel_credentials(self.cert))
+
+    def wait_until_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        with self.channel() as channel:
+            stub = VllmEngineStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"zserve exited with {self.proc.returncode} before ready:\n{self.log()}"
+                    )
+                try:
+                    if stub.HealthCheck(pb.HealthCheckRequest(), timeout=2).healthy:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"zserve not ready in {self.ready_timeout} s:\n{self.log()}")
+
+
+def self_signed_certificate(folder: Path) -> tuple[Path, Path] | None:
+    """A key and certificate for 127.0.0.1, or None without openssl."""
+    if shutil.which("openssl") is None:
+        return None
+    key, cert = folder / "key.pem", folder / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return key, cert
+
+
+def generate(
+    stub: VllmEngineStub,
+    ids: list[int],
+    metadata=(),
+    *,
+    stream: bool = False,
+    request_id: str = "t",
+    **params,
+) -> list[pb.GenerateResponse]:
+    request = pb.GenerateRequest(
+        request_id=request_id,
+        tokenized=pb.TokenizedInput(input_ids=ids),
+        sampling_params=pb.SamplingParams(**params),
+        stream=stream,
+    )
+    return list(stub.Generate(request, metadata=metadata, timeout=60))
+
+
+def completes(responses: list[pb.GenerateResponse]) -> list[pb.GenerateComplete]:
+    return [r.complete for r in responses if r.WhichOneof("response") == "complete"]
+
+
+def chunks(responses: list[pb.GenerateResponse]) -> list[pb.GenerateStreamChunk]:
+    return [r.chunk for r in responses if r.WhichOneof("response") == "chunk"]
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def request_counts(server: ZServe) -> dict[str, float]:
+    """`<prefix>:request_success` by finished_reason, summed over every API server, from
+    the metrics files /metrics would render (the gRPC door has no HTTP route)."""
+    pattern = os.path.join(tempfile.gettempdir(), f"zserve-{server.proc.pid}-*", "metrics")
+    folders = glob.glob(pattern)
+    assert len(folders) == 1, pattern
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=folders[0])
+    counts: dict[str, float] = {}
+    for family in registry.collect():
+        if family.name.endswith("request_success"):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    reason = sample.labels["finished_reason"]
+                    counts[reason] = counts.get(reason, 0) + sample.value
+    return counts
+
+
+def api_server_pids(server: ZServe) -> list[int]:
+    pids = []
+    for pid in server.pids():
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if name.startswith("zserve-api"):
+            pids.append(pid)
+    return pids
