@@ -47,6 +47,10 @@ class EngineCore:
         self.device = str(self.runner.device)
         self.vocab_size = info.vocab_size
         self.eos_token_ids = info.eos_token_ids
+        self.architecture = info.architecture
+        self.model_type = str(getattr(info.hf_config, "model_type", "") or "")
+        self.bos_token_id = _token_id(getattr(info.hf_config, "bos_token_id", None))
+        self.pad_token_id = _token_id(getattr(info.hf_config, "pad_token_id", None))
         # Prompt + max_tokens one request may need: the context, or less when the KV
         # cache holds less (the last sampled token is never fed back, so needs no KV).
         self.max_request_tokens = min(
@@ -225,3 +229,10 @@ class EngineCore:
             iteration_tokens_sum=self.iteration_tokens_sum,
             iteration_tokens_counts=list(self.iteration_tokens_counts),
         )
+
+
+def _token_id(value: object) -> int | None:
+    """A config's single token id (lists name their first)."""
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, int) else None

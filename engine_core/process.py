@@ -160,6 +160,10 @@ class EngineCoreProc:
             hostname=socket.gethostname(),
             max_request_tokens=e.max_request_tokens,
             eos_token_ids=sorted(e.eos_token_ids),
+            architecture=e.architecture,
+            model_type=e.model_type,
+            bos_token_id=e.bos_token_id,
+            pad_token_id=e.pad_token_id,
         )
 
     def announce(self) -> None:

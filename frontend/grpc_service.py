@@ -171,7 +171,7 @@ class EngineService(VllmEngineServicer):
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetModelInfoResponse:
         ctx = self.ctx
-        config = ctx.renderer.config
+        ready = next(e.ready for e in ctx.client.engines if e.ready)
         tokenizer = ctx.renderer.tokenizer
         return pb.GetModelInfoResponse(
             model_path=ctx.model_name,  # never the model's path on this machine
@@ -180,11 +180,11 @@ class EngineService(VllmEngineServicer):
             vocab_size=ctx.vocab_size,
             supports_vision=False,
             served_model_name=ctx.model_name,
-            model_type=str(config.get("model_type") or ""),
-            architectures=[str(a) for a in config.get("architectures") or []],
-            eos_token_ids=ctx.renderer.eos_token_ids,
-            pad_token_id=_token_id(config.get("pad_token_id"), tokenizer.pad_token_id),
-            bos_token_id=_token_id(config.get("bos_token_id"), tokenizer.bos_token_id),
+            model_type=ready.model_type,
+            architectures=[ready.architecture] if ready.architecture else [],
+            eos_token_ids=ready.eos_token_ids,
+            pad_token_id=_token_id(ready.pad_token_id, tokenizer.pad_token_id),
+            bos_token_id=_token_id(ready.bos_token_id, tokenizer.bos_token_id),
             max_req_input_len=ctx.max_model_len - 1,
             default_sampling_params_json=json.dumps(ctx.defaults) if ctx.defaults else "",
         )

@@ -258,6 +258,11 @@ class EngineReady(_Wire):
     # cache is smaller (the last sampled token needs no KV). The engine refuses more.
     max_request_tokens: int = 0
     eos_token_ids: list[int] = []  # what ends a sequence (unless ignore_eos)
+    # What the model is, for the API's model descriptions (gRPC's GetModelInfo).
+    architecture: str = ""
+    model_type: str = ""
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
 
 
 # First frame of [ENGINE_CORE_DEAD, rank] an engine sends every API server when it dies
