@@ -26,7 +26,7 @@ from frontend.limits import RequestLimits
 from launcher import procs
 from launcher.models import ModelNotFoundError, resolve_model
 from launcher.port import PortBusyError, claim_port
-from launcher.serve_args import refuse_unsupported, usable_cores
+from launcher.serve_args import openai_surface, refuse_unsupported, usable_cores
 from protocol.handshake import (
     EngineHello,
     EnginePlan,
@@ -170,6 +170,7 @@ def frontend_config(args: argparse.Namespace, model_dir: str, tokenizer_dir: str
         ),
         tokenizer_pool_size=args.tokenizer_pool_size,
         tokenize_timeout_s=args.tokenize_timeout,
+        **openai_surface(args),
     )
 
 
