@@ -3,12 +3,15 @@ vLLM), and where their answers differ: status codes, the field sets of responses
 stream chunks, error types and params, and a few counts that do not depend on the
 sampled text (usage, token ids, logprob list sizes).
 
-The cases follow issue 16's items. Start both servers on the same model with the same
-flags; each profile names the flags its cases need:
+The cases follow issue 16's items and assume the peers' model (../shared/peers: the
+tiny llama, vocabulary 8192, --max-model-len 2048). Start both servers on it with the
+same flags; each profile names the flags its cases need:
 
     default: --root-path /llm --enable-prompt-tokens-details
     flags:   --max-logprobs -1 --return-tokens-as-token-ids --enable-force-include-usage
-             --api-key KEY   (pass --api-key KEY here too)
+             --api-key KEY   (pass --api-key KEY here too; zserve's key also guards
+             /tokenize, /detokenize, /invocations and /load unless it is given
+             --api-key-open-paths vllm: a deliberate difference)
 
     zserve bench parity --base-url-a http://127.0.0.1:8000 --base-url-b http://127.0.0.1:8001
     python -m benchmarks.parity --profile flags --api-key KEY --base-url-a … --base-url-b …
