@@ -12,6 +12,7 @@ BENCHMARKS = {
     "ipc": "benchmarks.ipc",
     "frontend": "benchmarks.frontend",
     "compare": "benchmarks.compare",
+    "parity": "benchmarks.parity",
 }
 
 

@@ -18,6 +18,7 @@ from engine_core.scheduler import Scheduler, SchedulerOutput
 from engine_core.validation import validate_request
 from protocol.messages import (
     ITERATION_TOKEN_BUCKETS,
+    REQUEST_PREEMPTION_BUCKETS,
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
@@ -78,6 +79,8 @@ class EngineCore:
         self.step_time_s = 0.0
         self.iteration_tokens_sum = 0
         self.iteration_tokens_counts = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self.request_preemptions_sum = 0
+        self.request_preemptions_counts = [0] * (len(REQUEST_PREEMPTION_BUCKETS) + 1)
         logger.info(
             "engine ready: %s (%s) on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
             info.architecture, self.runner.model_impl, self.device, self.dtype,
@@ -123,6 +126,7 @@ class EngineCore:
             if request is not None:
                 self.scheduler.finish_aborted(request)
                 self.num_aborted += 1
+                self._count_preemptions(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -159,7 +163,12 @@ class EngineCore:
 
     @staticmethod
     def _sampled_logprobs(requests: list[Request], raw: torch.Tensor, tokens: torch.Tensor) -> None:
-        rows = logprobs_per_row(raw, tokens, [r.params.logprobs for r in requests])
+        rows = logprobs_per_row(
+            raw,
+            tokens,
+            [r.params.logprobs for r in requests],
+            [r.params.logprob_token_ids for r in requests],
+        )
         for request, logprobs in zip(requests, rows):
             request.pending_logprobs.append(logprobs)
 
@@ -207,8 +216,15 @@ class EngineCore:
                 request.prompt_logprobs_done = True
             if request.finish_reason is not None:
                 del self.requests[request.request_id]
+                self._count_preemptions(request)
             grouped.setdefault(request.client_index, []).append(output)
         return grouped
+
+    def _count_preemptions(self, request: Request) -> None:
+        """vLLM's request_num_preemptions: one observation per finished request."""
+        n = request.num_preemptions
+        self.request_preemptions_sum += n
+        self.request_preemptions_counts[bisect_left(REQUEST_PREEMPTION_BUCKETS, n)] += 1
 
     def make_stats(self) -> SchedulerStats:
         blocks = self.blocks
@@ -228,6 +244,8 @@ class EngineCore:
             step_time_s=self.step_time_s,
             iteration_tokens_sum=self.iteration_tokens_sum,
             iteration_tokens_counts=list(self.iteration_tokens_counts),
+            request_preemptions_sum=self.request_preemptions_sum,
+            request_preemptions_counts=list(self.request_preemptions_counts),
         )
 
 

@@ -12,9 +12,8 @@ from protocol.messages import Logprobs
 
 
 def _rows(
-    logits: torch.Tensor, token_ids: torch.Tensor, max_top: int
+    logprobs: torch.Tensor, token_ids: torch.Tensor, max_top: int
 ) -> tuple[list[list[int]], list[list[float]], list[int]]:
-    logprobs = torch.log_softmax(logits, dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None])
     ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist()
     ids = token_ids[:, None]
@@ -27,19 +26,37 @@ def _rows(
 
 
 def logprobs_per_row(
-    logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    num_top: list[int],
+    listed: list[list[int] | None] | None = None,
 ) -> list[Logprobs]:
-    """A single-position Logprobs for each row of fp32 `logits` [R, V]; row i keeps num_top[i]."""
-    ids, lps, ranks = _rows(logits, token_ids, max(num_top))
-    return [
-        Logprobs(token_ids=[ids[i][: n + 1]], logprobs=[lps[i][: n + 1]], ranks=[ranks[i]])
-        for i, n in enumerate(num_top)
-    ]
+    """A single-position Logprobs for each row of fp32 `logits` [R, V]: row i keeps
+    num_top[i], or, where listed[i] is given, exactly those tokens after the chosen
+    one (logprob_token_ids)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if listed is None or not any(listed):
+        ids, lps, ranks = _rows(logprobs, token_ids, max(num_top))
+        return [
+            Logprobs(token_ids=[ids[i][: n + 1]], logprobs=[lps[i][: n + 1]], ranks=[ranks[i]])
+            for i, n in enumerate(num_top)
+        ]
+    top = max((n for n, wanted in zip(num_top, listed, strict=True) if not wanted), default=0)
+    ids, lps, ranks = _rows(logprobs, token_ids, top)
+    rows = []
+    for i, (n, wanted) in enumerate(zip(num_top, listed, strict=True)):
+        if wanted:
+            row_ids = [ids[i][0], *wanted]
+            values = logprobs[i, torch.tensor(row_ids, device=logits.device)].tolist()
+            rows.append(Logprobs(token_ids=[row_ids], logprobs=[values], ranks=[ranks[i]]))
+        else:
+            rows.append(Logprobs([ids[i][: n + 1]], [lps[i][: n + 1]], [ranks[i]]))
+    return rows
 
 
 def logprobs_of_positions(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> Logprobs:
     """One Logprobs covering consecutive positions (prompt logprobs of a chunk)."""
-    ids, lps, ranks = _rows(logits, token_ids, num_top)
+    ids, lps, ranks = _rows(torch.log_softmax(logits, dim=-1), token_ids, num_top)
     return Logprobs(token_ids=ids, logprobs=lps, ranks=ranks)
 
 

@@ -49,6 +49,7 @@ class Request:
         "prompt_logprobs_parts",
         "prompt_logprobs_done",
         "sampler_state",
+        "num_preemptions",
     )
 
     def __init__(self, request: EngineCoreRequest, eos_ids: frozenset[int]) -> None:
@@ -81,6 +82,7 @@ class Request:
         self.prompt_logprobs_parts: list[Logprobs] = []
         self.prompt_logprobs_done = params.prompt_logprobs is None
         self.sampler_state: object | None = None  # owned by the sampler
+        self.num_preemptions = 0
 
     @property
     def num_tokens(self) -> int:

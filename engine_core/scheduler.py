@@ -150,6 +150,7 @@ class Scheduler:
             request.prompt_logprobs_parts.clear()
         self.waiting.add_preempted(request, behind_head)
         self.num_preemptions += 1
+        request.num_preemptions += 1
 
     def _stop_running(self, request: Request) -> None:
         self.running.remove(request)

@@ -7,6 +7,7 @@ import math
 from protocol.messages import MAX_TEMPERATURE, EngineCoreRequest
 
 MAX_LOGIT_BIAS = 100.0
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's limit
 # The frontend allows 256 characters of a client's id plus its own suffix; an id past
 # this is never a frontend's, and would be copied into every output of the request.
 MAX_REQUEST_ID_CHARS = 512
@@ -59,6 +60,10 @@ def validate_request(request: EngineCoreRequest, vocab_size: int, max_logprobs: 
     for field, n in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
         if n is not None and not 0 <= n <= max_logprobs:
             raise ValueError(f"{field} must be in 0..{max_logprobs} (--max-logprobs); got {n}")
+    if p.logprob_token_ids is not None:
+        if len(p.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise ValueError(f"logprob_token_ids may hold at most {MAX_LOGPROB_TOKEN_IDS} ids")
+        _token_range("logprob_token_ids", p.logprob_token_ids, vocab_size)
     if p.allowed_token_ids is not None:
         if not p.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty when given")

@@ -65,14 +65,16 @@ class Admission:
         if self.max_reqs is not None or self.max_tokens is not None:
             reqs, queued = self.totals()
             if self.max_reqs is not None and reqs + requests > self.max_reqs:
-                raise _busy(
+                raise AdmissionRejected(
                     f"the server is at its limit of {self.max_reqs} queued and running "
-                    f"requests (--max-num-queued-reqs); retry later"
+                    f"requests (--max-num-queued-reqs); retry later",
+                    "max_num_queued_reqs",
                 )
             if self.max_tokens is not None and queued + tokens > self.max_tokens:
-                raise _busy(
+                raise AdmissionRejected(
                     f"the server is at its limit of {self.max_tokens} prompt tokens waiting "
-                    f"for prefill (--max-num-queued-tokens); retry later"
+                    f"for prefill (--max-num-queued-tokens); retry later",
+                    "max_num_queued_tokens",
                 )
         self.requests += requests
         self.tokens += tokens
@@ -88,10 +90,11 @@ class Admission:
         self._write()
 
 
-class OverloadedError(APIError):
-    """A 503 of admission control: the server is full, not broken (gRPC tells the two
-    apart: RESOURCE_EXHAUSTED, not UNAVAILABLE)."""
+class AdmissionRejected(APIError):
+    """A 503 of admission control, with Retry-After: the server is full, not broken
+    (gRPC tells the two apart: RESOURCE_EXHAUSTED, not UNAVAILABLE); `reason` is the
+    limit that refused (vLLM's metric label)."""
 
-
-def _busy(message: str) -> OverloadedError:
-    return OverloadedError(message, 503, headers={"Retry-After": "1"})
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message, 503, headers={"Retry-After": "1"})
+        self.reason = reason

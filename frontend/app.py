@@ -1,7 +1,8 @@
 """The Starlette application: the one table of routes, error handlers, middleware.
 
 `ROUTES` is the only list of what this server answers: the router, /openapi.json and
-the API key's open paths are all made from it."""
+the API key's open paths are all made from it. With `--root-path /p` every route is
+also answered under /p (as vLLM's FastAPI root_path does), by the same table."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from frontend.http_limits import BodyLimitMiddleware
 from frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontend.middleware import APIKeyMiddleware, RequestIdMiddleware, add_user_middleware
 from frontend.openai_models import (
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -32,7 +34,7 @@ from frontend.openapi import build_openapi
 from frontend.request_inputs import ClientDisconnected, json_body
 from frontend.responses import json_response
 from frontend.serving import ServingContext
-from frontend.serving_chat import create_chat_completion
+from frontend.serving_chat import create_batch_chat_completion, create_chat_completion
 from frontend.serving_completions import create_completion
 from frontend.serving_tokens import detokenize, tokenize, tokenizer_info
 
@@ -136,26 +138,61 @@ class RouteSpec:
     methods: tuple[str, ...] = ("GET",)
     body: type[BaseModel] | None = None  # the documented JSON body of a POST
     open: bool = False  # answered without the API key (probes and the scrape route)
+    # vLLM answers it without the API key (its key guards /v1 only); zserve guards it
+    # unless --api-key-open-paths opens it.
+    vllm_open: bool = False
 
 
 ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/v1/completions", create_completion, ("POST",), CompletionRequest),
     RouteSpec("/v1/chat/completions", create_chat_completion, ("POST",), ChatCompletionRequest),
-    RouteSpec("/invocations", invocations, ("POST",), CompletionRequest | ChatCompletionRequest),
-    RouteSpec("/tokenize", tokenize, ("POST",), TokenizeRequest),
-    RouteSpec("/detokenize", detokenize, ("POST",), DetokenizeRequest),
-    RouteSpec("/tokenizer_info", tokenizer_info),
+    RouteSpec(
+        "/v1/chat/completions/batch",
+        create_batch_chat_completion,
+        ("POST",),
+        BatchChatCompletionRequest,
+    ),
+    RouteSpec(
+        "/invocations",
+        invocations,
+        ("POST",),
+        CompletionRequest | ChatCompletionRequest,
+        vllm_open=True,
+    ),
+    RouteSpec("/tokenize", tokenize, ("POST",), TokenizeRequest, vllm_open=True),
+    RouteSpec("/detokenize", detokenize, ("POST",), DetokenizeRequest, vllm_open=True),
+    RouteSpec("/tokenizer_info", tokenizer_info, vllm_open=True),
     RouteSpec("/v1/models", list_models),
     RouteSpec("/health", health, open=True),
     RouteSpec("/live", live, open=True),
     RouteSpec("/ping", health, ("GET", "POST"), open=True),
-    RouteSpec("/load", load),
+    RouteSpec("/load", load, vllm_open=True),
     RouteSpec("/version", version, open=True),
     RouteSpec("/server_info", server_info),
     RouteSpec("/metrics", metrics, open=True),
     RouteSpec("/metrics/", metrics, open=True),
 )
 OPEN_PATHS = frozenset(r.path for r in ROUTES if r.open)
+VLLM_OPEN_PATHS = frozenset(r.path for r in ROUTES if r.vllm_open)
+
+
+def api_key_open_paths(names: list[str]) -> frozenset[str]:
+    """--api-key-open-paths: the routes answered without the API key besides the
+    probes; `vllm` stands for every route vLLM leaves open. Raises ValueError naming
+    an unknown path and the routes there are."""
+    paths: set[str] = set()
+    known = {r.path for r in ROUTES}
+    for name in names:
+        if name == "vllm":
+            paths |= VLLM_OPEN_PATHS
+        elif name in known:
+            paths.add(name)
+        else:
+            raise ValueError(
+                f"{name!r} is not a route of this server; use 'vllm' or some of "
+                f"{', '.join(sorted(known - OPEN_PATHS))}"
+            )
+    return OPEN_PATHS | paths
 
 
 def _bind(ctx: ServingContext, handler: Handler):
@@ -170,6 +207,23 @@ def _bind(ctx: ServingContext, handler: Handler):
 
     endpoint.__name__ = handler.__name__
     return endpoint
+
+
+class RootPathMiddleware:
+    """--root-path P: a request for P/x is served as x, and one for x too, as vLLM
+    (FastAPI's root_path) serves both; what is below sees the path without P."""
+
+    def __init__(self, app, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path.rstrip("/")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            path, root = scope["path"], self.root_path
+            if path == root or path.startswith(root + "/"):
+                # Stripped once: the router must not strip it again (P/P/x is no route).
+                scope = {**scope, "path": path[len(root) :] or "/"}
+        await self.app(scope, receive, send)
 
 
 def build_app(ctx: ServingContext) -> Starlette:
@@ -198,19 +252,20 @@ def build_app(ctx: ServingContext) -> Starlette:
         app.add_middleware(
             APIKeyMiddleware,
             api_key=config.api_key,
-            open_paths=OPEN_PATHS,
-            root_path=config.root_path,
+            open_paths=api_key_open_paths(config.api_key_open_paths),
         )
     if config.enable_request_id_headers:
         app.add_middleware(RequestIdMiddleware)
-    if config.allowed_origins:
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=config.allowed_origins,
-            allow_methods=config.allowed_methods,
-            allow_headers=config.allowed_headers,
-            allow_credentials=config.allow_credentials,
-        )
-    # Outermost: an oversized body is refused before anything else looks at it.
+    # Always, as in vLLM: without --allowed-origins a CORS preflight is refused (400).
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=config.allowed_origins,
+        allow_methods=config.allowed_methods,
+        allow_headers=config.allowed_headers,
+        allow_credentials=config.allow_credentials,
+    )
+    # An oversized body is refused before anything else looks at it.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.limits.max_body_bytes)
+    if config.root_path:
+        app.add_middleware(RootPathMiddleware, root_path=config.root_path)
     return app

@@ -133,15 +133,17 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
-async def render_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+async def render_prompt(
+    ctx: ServingContext, body: ChatCompletionRequest, messages: list[ChatMessage] | None = None
+) -> list[int]:
+    """The prompt of one conversation: `messages`, or the request's own."""
     text = await render_messages(
         ctx,
-        body.messages,
+        body.messages if messages is None else messages,
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
         chat_template=body.chat_template,
         chat_template_kwargs=body.chat_template_kwargs,
         truncating=body.truncate_prompt_tokens is not None,
     )
-    keep = truncation(body.truncate_prompt_tokens, ctx.max_model_len)
-    return await ctx.encode(text, body.add_special_tokens, keep)
+    return await ctx.encode(text, body.add_special_tokens, truncation(body, ctx.max_model_len))

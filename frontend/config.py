@@ -35,6 +35,9 @@ class FrontendConfig:
     enable_log_requests: bool = False
     disable_log_stats: bool = False
     api_key: str | None = None
+    # Routes answered without the API key besides the probes; "vllm": those vLLM opens.
+    api_key_open_paths: list[str] = field(default_factory=list)
+    return_tokens_as_token_ids: bool = False  # the default of the request field
     allowed_origins: list[str] = field(default_factory=list)
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])

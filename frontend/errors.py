@@ -35,22 +35,26 @@ class APIError(Exception):
         status: int = 400,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        type_: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.headers = headers
+        self.type = type_  # None: the status's (_TYPES)
 
     def body(self) -> dict:
-        return error_body(self.message, self.status, self.param)
+        return error_body(self.message, self.status, self.param, self.type)
 
 
-def error_body(message: str, status: int, param: str | None = None) -> dict:
+def error_body(
+    message: str, status: int, param: str | None = None, type_: str | None = None
+) -> dict:
     return {
         "error": {
             "message": message,
-            "type": _TYPES.get(status, "APIError"),
+            "type": type_ or _TYPES.get(status, "APIError"),
             "param": param,
             "code": status,
         }
@@ -58,10 +62,14 @@ def error_body(message: str, status: int, param: str | None = None) -> dict:
 
 
 def error_response(
-    message: str, status: int, param: str | None = None, headers: dict | None = None
+    message: str,
+    status: int,
+    param: str | None = None,
+    headers: dict | None = None,
+    type_: str | None = None,
 ) -> Response:
     return Response(
-        orjson.dumps(error_body(message, status, param)),
+        orjson.dumps(error_body(message, status, param, type_)),
         status_code=status,
         media_type="application/json",
         headers=headers,
@@ -69,7 +77,7 @@ def error_response(
 
 
 async def handle_api_error(request: Request, exc: APIError) -> Response:
-    return error_response(exc.message, exc.status, exc.param, exc.headers)
+    return error_response(exc.message, exc.status, exc.param, exc.headers, exc.type)
 
 
 async def handle_http_exception(request: Request, exc) -> Response:
@@ -86,3 +94,10 @@ async def handle_unexpected(request: Request, exc: Exception) -> Response:
     rid = request.headers.get("x-request-id", "-")[:256]
     log.exception("internal error on %s (request id %s)", request.url.path[:256], rid)
     return error_response("internal server error", 500)
+
+
+def listing(items: list, limit: int = 20) -> str:
+    """The first `limit` items for an error message, and how many more there are: a
+    hostile request may hold thousands of bad values, its error stays short."""
+    shown = ", ".join(repr(i) for i in items[:limit])
+    return f"[{shown}]" if len(items) <= limit else f"[{shown}, … and {len(items) - limit} more]"

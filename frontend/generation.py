@@ -44,6 +44,7 @@ class ChoiceDelta:
     logprobs: Logprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_generated: int = 0  # the choice's tokens so far, this delta's included
 
 
 @dataclass(slots=True)
@@ -81,7 +82,7 @@ class Generation:
         client: EngineClient,
         request_id: str,
         prompts: list[list[int]],
-        params: SamplingParams,
+        params: list[SamplingParams],
         *,
         n: int,
         tokenizer,
@@ -104,11 +105,11 @@ class Generation:
         self.params_n = n
         self.engine: EngineState | None = None
         self.choices: list[Choice] = []
-        for p, prompt_ids in enumerate(prompts):
+        for p, (prompt_ids, prompt_params) in enumerate(zip(prompts, params, strict=True)):
             for s in range(n):
-                sample_params = params
-                if params.seed is not None and s:
-                    sample_params = _with_seed(params, params.seed + s)
+                sample_params = prompt_params
+                if prompt_params.seed is not None and s:
+                    sample_params = _with_seed(prompt_params, prompt_params.seed + s)
                 self.choices.append(
                     Choice(
                         index=p * n + s,
@@ -267,6 +268,7 @@ class Generation:
             logprobs=out.new_logprobs,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
+            num_generated=choice.num_generated,
         )
 
 
@@ -285,6 +287,7 @@ def merge_deltas(batch: list[ChoiceDelta], max_tokens: int) -> list[ChoiceDelta]
             prev.text += d.text
             prev.token_ids = prev.token_ids + d.token_ids
             prev.finish_reason, prev.stop_reason = d.finish_reason, d.stop_reason
+            prev.num_generated = d.num_generated
             if d.logprobs is not None:
                 prev.logprobs = (
                     d.logprobs

@@ -19,7 +19,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated.vllm_engine_pb2_grpc import VllmEngineServicer
 
-from frontend.admission import OverloadedError
+from frontend.admission import AdmissionRejected
 from frontend.errors import APIError
 from frontend.generation import Generation
 from frontend.grpc_inputs import check_rank, read_generate
@@ -62,7 +62,7 @@ def details_of(error: APIError) -> str:
 def status_of(error: APIError) -> grpc.StatusCode:
     """The HTTP path's error as a gRPC code: a full server is RESOURCE_EXHAUSTED (try
     later or elsewhere), a draining or engine-less one UNAVAILABLE."""
-    if isinstance(error, OverloadedError):
+    if isinstance(error, AdmissionRejected):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     return _CODES.get(error.status, grpc.StatusCode.INTERNAL)
 

@@ -56,12 +56,13 @@ def check_prompt_chars(num_chars: int, limit: int, field: str) -> None:
         )
 
 
-def check_prompt_count(count: int, limits: RequestLimits) -> None:
+def check_prompt_count(count: int, limits: RequestLimits, field: str = "prompt") -> None:
+    """Prompts (or a batch's conversations) in one request; vLLM's wording."""
     if count > limits.max_prompts:
         raise APIError(
-            f"prompt list length {count} exceeds the maximum allowed count of "
+            f"{field} list length {count} exceeds the maximum allowed count of "
             f"{limits.max_prompts} (--max-prompts-per-request)",
-            param="prompt",
+            param=field,
         )
 
 

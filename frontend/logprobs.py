@@ -1,7 +1,9 @@
 """Engine logprob rows → the OpenAI shapes (legacy completions, chat) and vLLM's prompt_logprobs.
 
 An engine row is (token_ids, logprobs, rank): column 0 is the chosen token, the
-rest its top-n alternatives, best first.
+rest its top-n alternatives, best first (or the tokens of logprob_token_ids, in the
+request's order). As in vLLM, every shape lists the chosen token first, then the
+others without it.
 """
 
 from __future__ import annotations
@@ -58,12 +60,12 @@ class CompletionLogprobs:
             self._add(ids, lps, ids[0])
 
     def _add(self, ids: list[int], lps: list[float], token_id: int) -> None:
+        """vLLM's dict: the chosen token, then up to top_n others."""
         text = self.name
-        top: dict[str, float] = {}
-        for tid, lp in zip(ids[1 : self.top_n + 1], lps[1 : self.top_n + 1], strict=False):
-            top.setdefault(text(tid), _clamp(lp))
         chosen = text(token_id)
-        top.setdefault(chosen, _clamp(lps[0]))
+        top: dict[str, float] = {}
+        for tid, lp in _entries(ids, lps, self.top_n + 1):
+            top.setdefault(text(tid), _clamp(lp))
         self._append(chosen, _clamp(lps[0]), top)
 
     def _append(self, token: str, logprob: float | None, top: dict | None) -> None:
@@ -85,10 +87,25 @@ class CompletionLogprobs:
         }
 
 
+def _entries(ids: list[int], lps: list[float], count: int) -> list[tuple[int, float]]:
+    """At most `count` (id, logprob) of a row: the chosen token (column 0), then the
+    others in order, each id once."""
+    out = [(ids[0], lps[0])]
+    seen = {ids[0]}
+    for tid, lp in zip(ids[1:], lps[1:], strict=True):
+        if len(out) >= count:
+            break
+        if tid not in seen:
+            seen.add(tid)
+            out.append((tid, lp))
+    return out[:count]
+
+
 def chat_logprobs(
     renderer: Renderer, rows: Logprobs, top_n: int, as_ids: bool = False
 ) -> list[dict]:
-    """`choices[].logprobs.content` entries; exactly `top_n` alternatives each."""
+    """`choices[].logprobs.content` entries; `top_n` top_logprobs each (vLLM's: the
+    chosen token first, then the best others)."""
     text = token_namer(renderer, as_ids)
     content = []
     for ids, lps in zip(rows.token_ids, rows.logprobs, strict=True):
@@ -104,7 +121,7 @@ def chat_logprobs(
                         "logprob": _clamp(lp),
                         "bytes": list(t.encode("utf-8")),
                     }
-                    for tid, lp in zip(ids[1 : top_n + 1], lps[1 : top_n + 1], strict=False)
+                    for tid, lp in _entries(ids, lps, top_n)
                 ],
             }
         )
@@ -124,7 +141,7 @@ def prompt_logprobs(
     for i, (ids, lps) in enumerate(zip(rows.token_ids, rows.logprobs, strict=True)):
         entry = {}
         for j, (tid, lp) in enumerate(zip(ids[: top_n + 1], lps[: top_n + 1], strict=True)):
-            rank = rows.ranks[i] if j == 0 else j
+            rank = rows.ranks[i] if j == 0 else j  # column j is the j-th best token
             entry.setdefault(
                 str(tid), {"logprob": _clamp(lp), "rank": rank, "decoded_token": text(tid)}
             )

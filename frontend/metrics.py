@@ -30,7 +30,10 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from frontend.engine_client import EngineClient
 from frontend.generation import Choice, Generation
-from protocol.messages import ITERATION_TOKEN_BUCKETS
+from protocol.messages import ITERATION_TOKEN_BUCKETS, REQUEST_PREEMPTION_BUCKETS
+
+# Why a request was refused at admission (--max-num-queued-reqs / -tokens): vLLM's labels.
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -126,6 +129,12 @@ class Metrics:
             [*labels, "finished_reason"],
             registry=registry,
         )
+        self.admission_rejections = Counter(
+            p + "admission_rejections",
+            "Number of admission attempts rejected by a queue limit, by reason.",
+            [*labels, "reason"],
+            registry=registry,
+        )
         self.api_server_restarts = Counter(
             p + "api_server_restarts",
             "API-server processes restarted by the supervisor.",
@@ -161,6 +170,8 @@ class Metrics:
             metric.labels(model_name)
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(model_name, reason)
+        for reason in ADMISSION_REASONS:
+            self.admission_rejections.labels(model_name, reason)
         if multiprocess:
             MultiProcessCollector(self.registry)
         self.registry.register(_EngineCollector(self))
@@ -169,6 +180,9 @@ class Metrics:
 
     def observe_gap(self, gap_s: float) -> None:
         self._itl.observe(gap_s)
+
+    def admission_rejected(self, reason: str) -> None:
+        self.admission_rejections.labels(self.model_name, reason).inc()
 
     def observe_request(self, gen: Generation, params_n: int) -> None:
         name = self.model_name
@@ -217,6 +231,13 @@ class _EngineCollector:
             p + "num_requests_running", "Requests in the running batch.", labels=labels
         )
         waiting = GaugeMetricFamily(p + "num_requests_waiting", "Requests waiting.", labels=labels)
+        waiting_by_reason = GaugeMetricFamily(
+            p + "num_requests_waiting_by_reason",
+            "Waiting requests by reason: 'capacity' = waiting for scheduling capacity; "
+            "'deferred' = held back by a transient constraint (zserve defers none). They "
+            "sum to num_requests_waiting.",
+            labels=[*labels, "reason"],
+        )
         kv = GaugeMetricFamily(
             p + "kv_cache_usage_perc", "KV cache usage (1 = full).", labels=labels
         )
@@ -235,6 +256,11 @@ class _EngineCollector:
         iteration = HistogramMetricFamily(
             p + "iteration_tokens_total", "Tokens per engine step.", labels=labels
         )
+        preemptions = HistogramMetricFamily(
+            p + "request_num_preemptions",
+            "Histogram of the number of times a request was preempted.",
+            labels=labels,
+        )
         cache_info = GaugeMetricFamily(
             p + "cache_config_info",
             "The KV cache's configuration (as labels).",
@@ -249,21 +275,31 @@ class _EngineCollector:
                     [*values, str(r.block_size), str(r.num_kv_blocks), r.dtype, r.device], 1
                 )
             if s.iteration_tokens_counts:
-                running_total, buckets = 0, []
-                for bound, count in zip(
-                    (*ITERATION_TOKEN_BUCKETS, "+Inf"), s.iteration_tokens_counts, strict=False
-                ):
-                    running_total += count
-                    buckets.append((str(float(bound)) if bound != "+Inf" else bound, running_total))
+                buckets = _cumulative(ITERATION_TOKEN_BUCKETS, s.iteration_tokens_counts)
                 iteration.add_metric(values, buckets, s.iteration_tokens_sum)
+            if s.request_preemptions_counts:
+                buckets = _cumulative(REQUEST_PREEMPTION_BUCKETS, s.request_preemptions_counts)
+                preemptions.add_metric(values, buckets, s.request_preemptions_sum)
             running.add_metric(values, s.num_running)
             waiting.add_metric(values, s.num_waiting)
+            waiting_by_reason.add_metric([*values, "capacity"], s.num_waiting)
+            waiting_by_reason.add_metric([*values, "deferred"], 0)
             kv.add_metric(values, s.kv_cache_usage)
             blocks.add_metric(values, s.num_total_blocks)
             queries.add_metric(values, s.prefix_cache_queries)
             hits.add_metric(values, s.prefix_cache_hits)
             preempt.add_metric(values, s.num_preemptions)
-        yield from (running, waiting, kv, blocks, queries, hits, preempt, iteration, cache_info)
+        yield from (running, waiting, waiting_by_reason, kv, blocks, queries, hits, preempt)
+        yield from (iteration, preemptions, cache_info)
+
+
+def _cumulative(bounds: tuple[int, ...], counts: list[int]) -> list[tuple[str, int]]:
+    """An engine's per-bucket counts (then one for larger values) as Prometheus buckets."""
+    total, buckets = 0, []
+    for bound, count in zip((*bounds, "+Inf"), counts, strict=False):
+        total += count
+        buckets.append((bound if bound == "+Inf" else str(float(bound)), total))
+    return buckets
 
 
 def multiprocess_dir() -> str | None:

@@ -16,24 +16,21 @@ from frontend.errors import error_response
 
 class APIKeyMiddleware:
     """Every route needs `Authorization: Bearer <key>` except `open_paths` (the probes
-    and the scrape route, from app.ROUTES) and CORS preflights (api_key.py)."""
+    and the scrape route, and those of --api-key-open-paths: app.api_key_open_paths)
+    and CORS preflights; compared in constant time (api_key.py). Unlike vLLM's key,
+    which guards /v1 only, it guards /tokenize, /detokenize, /invocations and /load
+    too unless they are opened."""
 
-    def __init__(
-        self, app: ASGIApp, api_key: str, open_paths: frozenset[str], root_path: str = ""
-    ) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]) -> None:
         self.app = app
         self.expected = api_key.encode()
         self.open_paths = open_paths
-        self.root_path = root_path
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        path = scope["path"]
-        if self.root_path and path.startswith(self.root_path):
-            path = path[len(self.root_path) :] or "/"
-        if path in self.open_paths:
+        if scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         given = next((v for name, v in scope["headers"] if name == b"authorization"), None)

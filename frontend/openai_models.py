@@ -7,10 +7,11 @@ rules that need the model or the server's flags (vocab size, max_model_len,
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from frontend.errors import listing
 from protocol.messages import MAX_TEMPERATURE
 
 INT64_MIN = -(2**63)
@@ -67,10 +68,13 @@ class SamplingFields(_Model):
     prompt_logprobs: int | None = None
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None  # None: left, as in vLLM
     use_beam_search: bool = False
     request_id: str | None = None
     return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # None: --return-tokens-as-token-ids
+    logprob_token_ids: list[int] | None = None  # at most MAX_LOGPROB_TOKEN_IDS
+    cache_salt: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -92,6 +96,19 @@ class SamplingFields(_Model):
             return cls.model_fields[info.field_name].default
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _logprob_counts_are_numbers(cls, data):
+        """vLLM refuses a logprob count sent as a string ("2"), which pydantic would take."""
+        if isinstance(data, dict):
+            for name in cls.COUNT_FIELDS:
+                value = data.get(name)
+                if value is not None and not isinstance(value, (int, float)):
+                    raise ValueError(f"{name}: `{name}` must be an integer.")
+        return data
+
+    COUNT_FIELDS: ClassVar[tuple[str, ...]] = ("prompt_logprobs",)
+
     @model_validator(mode="after")
     def _check_shared(self):
         if self.use_beam_search:
@@ -107,16 +124,21 @@ class SamplingFields(_Model):
         if self.stop == "":
             raise ValueError("stop: may not be an empty string")
         if self.prompt_logprobs is not None:
-            if self.prompt_logprobs < 0:
-                raise ValueError(f"prompt_logprobs: must be >= 0, got {self.prompt_logprobs}")
-            if self.stream:
+            check_count_or_all("prompt_logprobs", self.prompt_logprobs)
+            if self.stream and self.prompt_logprobs != 0:
                 raise ValueError("prompt_logprobs: not available when stream is true")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError(
+                "cache_salt: Parameter 'cache_salt' must be a non-empty string if provided."
+            )
         if self.logit_bias:
-            for key in self.logit_bias:
-                try:
-                    int(key)
-                except ValueError:
-                    raise ValueError(f"logit_bias: keys must be token ids, got {key!r}") from None
+            bad = [key for key in self.logit_bias if not _is_int_text(key)]
+            if bad:
+                raise ValueError(
+                    f"logit_bias: keys must be token ids; these are not: {listing(bad)}"
+                )
+        if self.logprob_token_ids == []:
+            self.logprob_token_ids = None  # as in vLLM: an empty list asks for nothing
         return self
 
     @property
@@ -126,6 +148,20 @@ class SamplingFields(_Model):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+def check_count_or_all(field: str, value: int) -> None:
+    """A logprob count: n >= 0, or -1 for the whole vocabulary (vLLM's wording)."""
+    if value < -1:
+        raise ValueError(f"{field}: `{field}` must be a positive value or -1.")
+
+
+def _is_int_text(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
@@ -133,11 +169,20 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _token_ids(prompt: list):
+    """Every token id of a token-id prompt or list of them (nothing for texts)."""
+    for p in prompt:
+        if isinstance(p, list):
+            yield from p
+        elif not isinstance(p, str):
+            yield p
+
+
 class CompletionRequest(SamplingFields):
     prompt: Prompt | None = None
     max_tokens: int = Field(16, ge=0)  # null: this default too
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = None  # -1: the whole vocabulary
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
@@ -152,13 +197,29 @@ class CompletionRequest(SamplingFields):
             or all(_is_int(p) for p in value)
             or all(isinstance(p, list) and all(_is_int(t) for t in p) for p in value)
         ):
+            if any(t < 0 for t in _token_ids(value)):
+                raise ValueError("token ids must be greater than or equal to 0")
             return value
         raise ValueError(
             "must be a string, a list of strings, a list of token ids or a list of token-id lists"
         )
 
+    COUNT_FIELDS: ClassVar[tuple[str, ...]] = ("prompt_logprobs", "logprobs")
+
     @model_validator(mode="after")
     def _check_completion(self):
+        if self.logprobs is not None:
+            check_count_or_all("logprobs", self.logprobs)
+        if self.logprob_token_ids is not None:
+            if self.logprobs is None:
+                raise ValueError(
+                    "logprob_token_ids: when using `logprob_token_ids`, `logprobs` must be set."
+                )
+            if self.echo and self.max_tokens == 0:
+                raise ValueError(
+                    "logprob_token_ids: not supported with echo and max_tokens 0: no token "
+                    "is generated"
+                )
         if self.suffix is not None:
             raise ValueError("suffix: not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -189,7 +250,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = None  # -1: the whole vocabulary
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -201,10 +262,20 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
+    COUNT_FIELDS: ClassVar[tuple[str, ...]] = ("prompt_logprobs", "top_logprobs")
+
     @model_validator(mode="after")
     def _check_chat(self):
+        if self.top_logprobs is not None:
+            check_count_or_all("top_logprobs", self.top_logprobs)
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs: requires logprobs to be true")
+            raise ValueError(
+                "top_logprobs: when using `top_logprobs`, `logprobs` must be set to true."
+            )
+        if self.logprob_token_ids is not None and not self.logprobs:
+            raise ValueError(
+                "logprob_token_ids: when using `logprob_token_ids`, `logprobs` must be set to true."
+            )
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError(
                 "continue_final_message: cannot be true together with add_generation_prompt"
@@ -218,6 +289,31 @@ class ChatCompletionRequest(SamplingFields):
     def effective_max_tokens(self) -> int | None:
         """max_completion_tokens wins over the deprecated max_tokens."""
         return self.max_completion_tokens or self.max_tokens
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """POST /v1/chat/completions/batch: a list of conversations sharing the other
+    fields; one choice per conversation. As in vLLM: no n > 1, no beam search, and
+    `stream` is ignored (the answer is one JSON response)."""
+
+    messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] = Field(..., min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _batch_mode(cls, data):
+        if not isinstance(data, dict):
+            return data
+        if data.get("use_beam_search"):
+            raise ValueError(
+                "use_beam_search: Batch chat completions do not support beam search. "
+                "Please set `use_beam_search` to False."
+            )
+        n = data.get("n", 1)
+        if n is not None and n != 1:
+            raise ValueError(
+                "n: Batch chat completions do not support `n > 1`. Please set `n` to 1."
+            )
+        return {k: v for k, v in data.items() if k not in ("stream", "stream_options")}
 
 
 class TokenizeRequest(_Model):

@@ -30,6 +30,7 @@ class Renderer:
         # text longer than max_model_len times this cannot fit the context.
         vocab = self.raw.get_vocab(with_added_tokens=True)
         self.max_token_chars = max((len(t) for t in vocab), default=1) or 1
+        self._token_texts: dict[int, str] = {}  # at most one entry per vocabulary id
 
     def serialized(self) -> str:
         """The tokenizer as configured here, for worker processes (tokenizer_pool.py)."""
@@ -42,8 +43,14 @@ class Renderer:
         return self.raw.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        """The text one token stands for on its own (for logprobs)."""
-        return self.raw.decode([token_id], skip_special_tokens=False)
+        """The text one token stands for on its own (for logprobs; remembered, since a
+        logprobs -1 response names every token of the vocabulary at each position)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.raw.decode(
+                [token_id], skip_special_tokens=False
+            )
+        return text
 
     @property
     def has_chat_template(self) -> bool:

@@ -56,8 +56,10 @@ async def read_inputs(
     request: Request,
     model: type[S],
     count_prompts: Callable[[S], int] = lambda body: 1,
+    prompts_field: str = "prompt",
 ) -> RequestInputs[S]:
-    """Server state, then headers, then the body: each refusal before the next cost."""
+    """Server state, then headers, then the body: each refusal before the next cost.
+    `count_prompts`: how many prompts the body holds, in its field `prompts_field`."""
     ctx.preflight()
     header_priority = _header_priority(request)
     engine_rank = _engine_rank(request, len(ctx.client.engines))
@@ -77,7 +79,7 @@ async def read_inputs(
         check_request_id(body.request_id, "request_id", ctx.limits)
     check_stop_strings(body.stop_strings, ctx.limits)
     num_prompts = count_prompts(body)
-    check_prompt_count(num_prompts, ctx.limits)
+    check_prompt_count(num_prompts, ctx.limits, prompts_field)
     check_fan_out(num_prompts, body.n, ctx.limits)
     request_id = header_id or body.request_id or uuid.uuid4().hex
     return RequestInputs(body, served, request_id, priority, engine_rank)
@@ -161,8 +163,11 @@ def _engine_rank(request: Request, num_engines: int) -> int | None:
 
 
 def validation_error(e: ValidationError) -> APIError:
-    """The first pydantic error as a 400 naming the field (model-level validators
-    name theirs as the first word of the message: "field: ...")."""
+    """The first pydantic error as a 400 naming the field in `param` as vLLM does: a
+    wrong type, or a range vLLM's request model itself declares, is `body.<field>`
+    (FastAPI's place of the field); a range vLLM checks later, and a model-level rule
+    (which names its field as the first word of its message, "field: ..."), is the
+    bare field name. The first kind has vLLM's type for it too, "Bad Request"."""
     err = e.errors()[0]
     # Union members tag the path with their type ("prompt.list[int].0"): not a field.
     path = [p for p in err.get("loc", ()) if not (isinstance(p, str) and _TYPE_TAG.search(p))]
@@ -174,7 +179,16 @@ def validation_error(e: ValidationError) -> APIError:
         loc = msg.split(":", 1)[0]
         return APIError(f"{msg} (type={err.get('type')})", 400, param=loc)
     detail = f"{loc}: {msg}" if loc else msg
+    if loc and (err.get("type") not in _RANGE_ERRORS or path[0] in _VLLM_RANGED_FIELDS):
+        return APIError(
+            f"{detail} (type={err.get('type')})", 400, param=f"body.{loc}", type_="Bad Request"
+        )
     return APIError(f"{detail} (type={err.get('type')})", 400, param=loc or None)
+
+
+_RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
+# Fields whose range vLLM's request models declare (so FastAPI names them body.<field>).
+_VLLM_RANGED_FIELDS = frozenset({"seed", "priority", "truncate_prompt_tokens", "prompt"})
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*)$")

@@ -12,7 +12,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from frontend import sse
+from frontend import orca, sse
 from frontend.errors import APIError
 from frontend.generation import Generation
 from frontend.request_inputs import ClientDisconnected
@@ -37,6 +37,9 @@ async def respond(ctx: ServingContext, request: Request, view: StreamingView) ->
         await run_unless_disconnected(request, generation.drain)
     finally:
         ctx.finish(generation)
+    report_format = request.headers.get(orca.REQUEST_HEADER)
+    if report_format:
+        headers.update(orca.load_report(report_format, ctx.client.engines))
     return json_response(view.response(), headers)
 
 

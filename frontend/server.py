@@ -51,7 +51,6 @@ class APIServer(APIProcess):
             access_log=False,
             timeout_keep_alive=30,
             timeout_graceful_shutdown=max(fc.shutdown_timeout, 1.0),
-            root_path=fc.root_path,
             ssl_keyfile=fc.ssl_keyfile,
             ssl_certfile=fc.ssl_certfile,
         )

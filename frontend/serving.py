@@ -7,16 +7,17 @@ import asyncio
 import logging
 import os
 
-from frontend.admission import Admission
+from frontend.admission import Admission, AdmissionRejected
 from frontend.config import FrontendConfig
 from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.errors import APIError
 from frontend.generation import Choice, Generation
 from frontend.limits import check_prompt_chars
 from frontend.metrics import Metrics
+from frontend.openai_models import SamplingFields
 from frontend.renderer import Renderer
 from frontend.request_inputs import RequestInputs
-from frontend.sampling import context_length_error, generation_defaults
+from frontend.sampling import Truncation, context_length_error, generation_defaults
 from frontend.tokenizer_pool import INLINE_CHARS, TokenizerPool
 from protocol.messages import SamplingParams
 
@@ -70,6 +71,12 @@ class ServingContext:
     def vocab_size(self) -> int:
         return self.client.vocab_size
 
+    def tokens_as_ids(self, body: SamplingFields) -> bool:
+        """return_tokens_as_token_ids: the request's, else --return-tokens-as-token-ids."""
+        if body.return_tokens_as_token_ids is None:
+            return self.config.return_tokens_as_token_ids
+        return body.return_tokens_as_token_ids
+
     # --- cheap checks ---------------------------------------------------------------------
 
     def preflight(self) -> None:
@@ -100,16 +107,21 @@ class ServingContext:
     # --- tokenizing -----------------------------------------------------------------------
 
     async def encode(
-        self, text: str, add_special_tokens: bool, keep_last: int | None = None
+        self, text: str, add_special_tokens: bool, cut: Truncation | None = None
     ) -> list[int]:
         """A prompt's token ids; long texts go to the tokenizer pool (tokenizer_pool.py).
 
-        `keep_last`: only the last n ids (truncate_prompt_tokens). Without it a prompt
-        that does not fit the context is a 400, and a huge one's ids are never listed
-        on this loop."""
-        at_most = None if keep_last else self.max_model_len - 1
+        `cut`: truncate_prompt_tokens. Without it a prompt that does not fit the context
+        is a 400, and a huge one's ids are never listed on this loop."""
+        at_most = None if cut else self.max_model_len - 1
         if len(text) > INLINE_CHARS and self.tokenizers is not None:
-            count, ids = await self.tokenizers.encode(text, add_special_tokens, at_most, keep_last)
+            count, ids = await self.tokenizers.encode(
+                text,
+                add_special_tokens,
+                at_most,
+                cut.count if cut else None,
+                keep_first=bool(cut and not cut.left),
+            )
         else:
             if len(text) > INLINE_CHARS:
                 ids = await asyncio.to_thread(self.renderer.encode, text, add_special_tokens)
@@ -118,7 +130,7 @@ class ServingContext:
             count = len(ids)
         if at_most is not None and count > at_most:
             raise context_length_error(count, self.max_model_len)
-        return ids[-keep_last:] if keep_last else ids
+        return cut.apply(ids) if cut else ids
 
     async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if len(ids) > INLINE_CHARS and self.tokenizers is not None:
@@ -128,10 +140,10 @@ class ServingContext:
     # --- a generation's life --------------------------------------------------------------
 
     def submit(
-        self, inputs: RequestInputs, prompts: list[list[int]], params: SamplingParams
+        self, inputs: RequestInputs, prompts: list[list[int]], params: list[SamplingParams]
     ) -> Generation:
-        """Admit and send the generation of one request (its prompts × n); every
-        submitted generation reaches finish()."""
+        """Admit and send the generation of one request (its prompts × n, `params` one
+        per prompt); every submitted generation reaches finish()."""
         body = inputs.body
         generation = Generation(
             self.client,
@@ -149,7 +161,12 @@ class ServingContext:
         )
         self.preflight()  # again: the engines may have died while this one was rendered
         choices = generation.choices
-        self.admission.admit(len(choices), sum(len(c.prompt_ids) for c in choices))
+        try:
+            self.admission.admit(len(choices), sum(len(c.prompt_ids) for c in choices))
+        except AdmissionRejected as e:
+            if self.metrics is not None:
+                self.metrics.admission_rejected(e.reason)
+            raise
         self.active.add(generation)
         try:
             generation.start()

@@ -11,31 +11,37 @@ from frontend.logprobs import CompletionLogprobs, prompt_logprobs
 from frontend.openai_models import CompletionRequest
 from frontend.request_inputs import read_inputs
 from frontend.responses import respond
-from frontend.sampling import check_token_ids, sampling_params, truncation
+from frontend.sampling import (
+    check_token_ids,
+    logprob_count,
+    sampling_params,
+    shown_logprobs,
+    truncation,
+)
 from frontend.serving import ServingContext
 from frontend.streaming_view import StreamingView
 from frontend.usage import usage
 
 
 async def tokenize_prompts(ctx: ServingContext, body: CompletionRequest) -> list[list[int]]:
-    """The prompts as token ids, each cut to its last truncate_prompt_tokens."""
+    """The prompts as token ids, each cut to truncate_prompt_tokens (truncation_side)."""
     prompt = body.prompt
     if prompt is None or prompt == "" or prompt == []:
         raise APIError(
             "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
         )
-    keep = truncation(body.truncate_prompt_tokens, ctx.max_model_len)
+    cut = truncation(body, ctx.max_model_len)
     if isinstance(prompt, str) or isinstance(prompt[0], str):
         texts = [prompt] if isinstance(prompt, str) else prompt
         for text in texts:
-            ctx.check_text_length(text, "prompt", truncating=keep is not None)
-        return [await ctx.encode(text, body.add_special_tokens, keep) for text in texts]
+            ctx.check_text_length(text, "prompt", truncating=cut is not None)
+        return [await ctx.encode(text, body.add_special_tokens, cut) for text in texts]
     prompts = [list(prompt)] if isinstance(prompt[0], int) else [list(p) for p in prompt]
     for p in prompts:
         if not p:
             raise APIError("prompt: a token-id prompt may not be empty", param="prompt")
         check_token_ids(p, ctx.vocab_size, "prompt")
-    return [p[-keep:] for p in prompts] if keep else prompts
+    return [cut.apply(p) for p in prompts] if cut else prompts
 
 
 def num_prompts(body: CompletionRequest) -> int:
@@ -100,16 +106,13 @@ class CompletionView(StreamingView):
         self.shown: set[int] = set()  # choices with a chunk sent
         # Token ids of text still held back (a partial character, a possible stop).
         self.pending_ids: list[list[int]] = [[] for _ in gen.choices]
-        self.logprobs = (
-            [
-                CompletionLogprobs(
-                    ctx.renderer, body.logprobs, as_ids=body.return_tokens_as_token_ids
-                )
-                for _ in gen.choices
+        self.logprobs = None
+        if body.logprobs is not None:
+            top_n = shown_logprobs(body.logprobs, body.logprob_token_ids, ctx.vocab_size)
+            as_ids = ctx.tokens_as_ids(body)
+            self.logprobs = [
+                CompletionLogprobs(ctx.renderer, top_n, as_ids=as_ids) for _ in gen.choices
             ]
-            if body.logprobs is not None
-            else None
-        )
 
     def _prefix(self, index: int) -> str:
         """Echo: the prompt text (and its logprob entries) before a choice's own text."""
@@ -125,22 +128,25 @@ class CompletionView(StreamingView):
             rec.offset = len(text)
         return text
 
-    def usage(self) -> dict:
+    def usage(self, stream: bool = False) -> dict:
         return usage(
             self.gen,
             self.ctx.config.enable_prompt_tokens_details,
             count_generated=not self.echo_only,
+            stream=stream,
         )
 
     def chunk(self, choices: list[dict], usage: dict | None) -> dict:
-        return {
+        chunk = {
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": usage,
         }
+        if usage is not None:  # a stream's chunk without usage has no such key (vLLM)
+            chunk["usage"] = usage
+        return chunk
 
     def stream_choices(self, d: ChoiceDelta) -> list[dict]:
         """One delta as a chunk's choice: one event per token, as vLLM streams, even
@@ -163,11 +169,13 @@ class CompletionView(StreamingView):
             "logprobs": self.logprobs[d.index].take() if self.logprobs is not None else None,
             "finish_reason": d.finish_reason,
             "stop_reason": d.stop_reason,
+            "prompt_token_ids": None,  # every key in every chunk, as vLLM's chunks
+            "token_ids": None,
         }
         if self.body.return_token_ids:
-            shown = d.index in self.shown
+            if d.index not in self.shown:
+                choice["prompt_token_ids"] = self.gen.choices[d.index].prompt_ids
             choice["token_ids"] = pending_ids[:]
-            choice["prompt_token_ids"] = None if shown else self.gen.choices[d.index].prompt_ids
         self.shown.add(d.index)
         pending_ids.clear()
         return [choice]
@@ -194,7 +202,10 @@ class CompletionView(StreamingView):
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                     "prompt_logprobs": prompt_logprobs(
-                        self.ctx.renderer, c.prompt_ids, c.prompt_logprobs, body.prompt_logprobs
+                        self.ctx.renderer,
+                        c.prompt_ids,
+                        c.prompt_logprobs,
+                        logprob_count(body.prompt_logprobs, self.ctx.vocab_size),
                     )
                     if body.prompt_logprobs is not None
                     else None,

@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING
 
 from frontend import sse
 from frontend.generation import ChoiceDelta, Generation
-from frontend.openai_models import SamplingFields
+from frontend.openai_models import SamplingFields, StreamOptions
+from frontend.usage import running_usage
 
 if TYPE_CHECKING:
+    from frontend.config import FrontendConfig
     from frontend.serving import ServingContext
 
 
@@ -38,8 +40,15 @@ class StreamingView(ABC):
         """One SSE chunk around these choices."""
 
     @abstractmethod
-    def usage(self) -> dict:
-        """The usage object so far."""
+    def usage(self, stream: bool = False) -> dict:
+        """The whole request's usage (`stream`: for a stream's usage chunk)."""
+
+    def stream_chunk(self, d: ChoiceDelta, choice: dict, continuous: bool) -> dict:
+        """The chunk of one choice; `continuous`: with that choice's running usage."""
+        if not continuous:
+            return self.chunk([choice], None)
+        prompt_tokens = len(self.gen.choices[d.index].prompt_ids)
+        return self.chunk([choice], running_usage(prompt_tokens, d.num_generated))
 
     @abstractmethod
     def response(self) -> dict:
@@ -48,9 +57,7 @@ class StreamingView(ABC):
     async def events(self) -> AsyncIterator[bytes]:
         """Hot path: one chunk per token (per --stream-interval tokens)."""
         config = self.ctx.config
-        opts = self.body.stream_options
-        include_usage = bool(opts and opts.include_usage) or config.force_include_usage
-        continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+        include_usage, continuous = stream_usage(self.body.stream_options, config)
         async for batch in self.gen.deltas(
             config.sse_keep_alive_interval or None, config.stream_interval
         ):
@@ -60,9 +67,17 @@ class StreamingView(ABC):
             out = []
             for d in batch:
                 for choice in self.stream_choices(d):
-                    usage = self.usage() if continuous else None
-                    out.append(sse.event(self.chunk([choice], usage)))
+                    out.append(sse.event(self.stream_chunk(d, choice, continuous)))
             if out:
                 yield b"".join(out)
         if include_usage:
-            yield sse.event(self.chunk([], self.usage()))
+            yield sse.event(self.chunk([], self.usage(stream=True)))
+
+
+def stream_usage(opts: StreamOptions | None, config: FrontendConfig) -> tuple[bool, bool]:
+    """(a usage chunk ends the stream, every chunk carries its choice's running usage):
+    vLLM's rule, where --enable-force-include-usage means both."""
+    if config.force_include_usage:
+        return True, True
+    include = bool(opts and opts.include_usage)
+    return include, include and bool(opts and opts.continuous_usage_stats)

@@ -34,7 +34,7 @@ RECYCLE_BYTES = 1 << 20
 # Requests: op, flags, two u32 arguments, then the payload.
 _HEAD = struct.Struct("<BBII")
 _ENCODE, _DECODE, _TOKENIZE_JSON = range(3)
-_SPECIAL, _WITH_STRS = 1, 2
+_SPECIAL, _WITH_STRS, _KEEP_FIRST = 1, 2, 4
 _NO_LIMIT = 0xFFFFFFFF
 _COUNT = struct.Struct("<I")
 _OK, _FAILED = b"\x00", b"\x01"
@@ -56,16 +56,18 @@ class TokenizerPool:
         self._replacing: set[asyncio.Future] = set()
 
     async def encode(
-        self, text: str, add_special_tokens: bool, at_most: int | None, keep_last: int | None
+        self,
+        text: str,
+        add_special_tokens: bool,
+        at_most: int | None,
+        keep_last: int | None,
+        keep_first: bool = False,
     ) -> tuple[int, list[int]]:
-        """(token count, ids): the last `keep_last` ids only, and none at all when the
-        count passes `at_most`, so a huge text's ids never become a list here."""
-        head = _HEAD.pack(
-            _ENCODE,
-            _SPECIAL if add_special_tokens else 0,
-            _NO_LIMIT if at_most is None else at_most,
-            keep_last or 0,
-        )
+        """(token count, ids): the last `keep_last` ids only (the first ones with
+        `keep_first`), and none at all when the count passes `at_most`, so a huge
+        text's ids never become a list here."""
+        flags = (_SPECIAL if add_special_tokens else 0) | (_KEEP_FIRST if keep_first else 0)
+        head = _HEAD.pack(_ENCODE, flags, _NO_LIMIT if at_most is None else at_most, keep_last or 0)
         reply = await self._run(head + text.encode("utf-8"), "prompt")
         (count,) = _COUNT.unpack_from(reply)
         return count, array("i", reply[_COUNT.size :]).tolist()
@@ -225,9 +227,9 @@ def _serve(tokenizer, message: bytes) -> bytes:
         if flags & _WITH_STRS:
             strs = json.dumps([tokenizer.id_to_token(i) for i in ids], ensure_ascii=False).encode()
         return count + tokens + b"\x00" + strs
-    at_most, keep_last = arg1, arg2
+    at_most, keep = arg1, arg2
     if len(ids) > at_most:
         return count
-    if keep_last:
-        ids = ids[-keep_last:]
+    if keep:
+        ids = ids[:keep] if flags & _KEEP_FIRST else ids[-keep:]
     return count + array("i", ids).tobytes()

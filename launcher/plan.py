@@ -166,6 +166,8 @@ def frontend_config(
         host=args.host,
         port=args.port,
         grpc=args.grpc,
+        api_key_open_paths=args.api_key_open_paths,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         api_server_count=topology.api_server_count,
         num_engines=topology.data_parallel_size,
         engine_ready_timeout_s=args.engine_ready_timeout,

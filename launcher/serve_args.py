@@ -55,6 +55,18 @@ def _max_logprobs(text: str) -> int:
     return value
 
 
+def _open_paths(text: str) -> list[str]:
+    """--api-key-open-paths: checked against the route table at start-up."""
+    from frontend.app import api_key_open_paths
+
+    paths = _str_list(text)
+    try:
+        api_key_open_paths(paths)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return paths
+
+
 _METRIC_PREFIX = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 
 
@@ -247,8 +259,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on every route but the probes and /metrics "
-        "(without this flag: the ZSERVE_API_KEY environment variable, if set)",
+        help="require 'Authorization: Bearer KEY' on every route but the probes (/health, "
+        "/live, /ping, /version) and /metrics (without this flag: the ZSERVE_API_KEY "
+        "environment variable, if set). Unlike vLLM, whose key guards /v1 only, this also "
+        "guards /tokenize, /detokenize, /invocations, /load, /tokenizer_info and "
+        "/server_info; see --api-key-open-paths",
+    )
+    g.add_argument(
+        "--api-key-open-paths",
+        type=_open_paths,
+        default=[],
+        help="routes answered without the API key besides the probes, as JSON or a,b "
+        "(e.g. /tokenize,/load); 'vllm' opens every route vLLM leaves open (/tokenize, "
+        "/detokenize, /invocations, /load, /tokenizer_info), for vLLM's exact behaviour",
     )
     g.add_argument(
         "--allowed-origins",
@@ -259,7 +282,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--allowed-methods", type=_str_list, default=["*"])
     g.add_argument("--allowed-headers", type=_str_list, default=["*"])
     g.add_argument("--allow-credentials", action="store_true")
-    g.add_argument("--root-path", default="", help="path prefix when behind a proxy")
+    g.add_argument(
+        "--root-path",
+        default="",
+        help="path prefix when behind a proxy: every route is served with and without it",
+    )
+    g.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="name logprob tokens 'token_id:N' unless a request's return_tokens_as_token_ids "
+        "says otherwise",
+    )
     g.add_argument(
         "--middleware",
         action="append",

@@ -129,6 +129,8 @@ class SamplingParams(_Wire):
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputs | None = None
+    # Logprobs of exactly these tokens (after the sampled one) instead of the top-n.
+    logprob_token_ids: list[int] | None = None
 
 
 class EngineCoreRequest(_Wire):
@@ -178,6 +180,10 @@ class SchedulerStats(_Wire):
     # Unfinished requests per API server (by client_index): a server balancing load
     # counts its own requests itself, instantly, and takes only the others' from here.
     num_requests_by_client: list[int] = []
+    # Preemptions per finished request as a cumulative histogram: counts per
+    # REQUEST_PREEMPTION_BUCKETS upper bound, then one for more.
+    request_preemptions_sum: int = 0
+    request_preemptions_counts: list[int] = []
 
 
 def others_requests(by_client: list[int], client_index: int) -> int:
@@ -189,6 +195,7 @@ def others_requests(by_client: list[int], client_index: int) -> int:
 
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)  # vLLM's
 
 
 class EngineCoreOutput(_Wire):

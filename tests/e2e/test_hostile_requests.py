@@ -293,7 +293,7 @@ def test_non_finite_numbers_and_deep_nesting_are_400s(server, http, raw):
 
 def test_a_number_past_64_bits_is_kept_exact_and_refused_by_its_limit(http):
     r = http.post("/v1/completions", json={"prompt": "x", "seed": 12345678901234567890123})
-    assert_error(r, 400, "seed", [str(2**63 - 1)])
+    assert_error(r, 400, "body.seed", [str(2**63 - 1)])
 
 
 # --- item 5 and 6: HTTP limits -----------------------------------------------------------

@@ -305,4 +305,4 @@ def test_seed_outside_int64_is_a_400(client):
     for seed, phrase in [(-(2**63) - 1, "greater_than_equal"), (2**63, "less_than_equal")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=USER, seed=seed, max_tokens=1)
-        assert phrase in e.value.body["message"] and e.value.body["param"] == "seed"
+        assert phrase in e.value.body["message"] and e.value.body["param"] == "body.seed"

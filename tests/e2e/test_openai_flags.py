@@ -212,7 +212,7 @@ def test_request_id_headers_are_echoed_or_made_up(http):
 def test_cached_prompt_tokens_are_reported(client):
     kwargs = dict(model=MODEL, prompt=[70] * 40, max_tokens=1)
     first = client.completions.create(**kwargs)
-    assert first.usage.prompt_tokens_details is None  # nothing cached yet
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # nothing cached yet: 0, as vLLM
     second = client.completions.create(**kwargs)
     assert second.usage.prompt_tokens_details.cached_tokens == 32  # two full blocks
     chunks = list(
@@ -221,14 +221,32 @@ def test_cached_prompt_tokens_are_reported(client):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
 
 
-def test_force_include_usage_ends_every_stream_with_usage(client):
+def test_force_include_usage_puts_usage_on_every_chunk_and_at_the_end(client):
+    """vLLM's --enable-force-include-usage: as if include_usage and continuous_usage_stats
+    were both set, whatever the request's stream_options say (issue 16, item 5)."""
+    for options in (None, {"include_usage": False}):
+        chunks = list(
+            client.completions.create(
+                model=MODEL,
+                prompt="abc",
+                max_tokens=3,
+                stream=True,
+                stream_options=options,
+                extra_body={"ignore_eos": True},
+            )
+        )
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+        assert [c.usage.completion_tokens for c in chunks[:-1]] == [1, 2, 3]
+        prompt = chunks[-1].usage.prompt_tokens
+        assert all(c.usage.total_tokens == prompt + c.usage.completion_tokens for c in chunks)
     chunks = list(
-        client.completions.create(
-            model=MODEL, prompt="abc", max_tokens=3, stream=True, extra_body={"ignore_eos": True}
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, stream=True
         )
     )
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
-    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].usage.completion_tokens == 0
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
 
 
 def test_max_logprobs_is_the_servers_limit(client, http):

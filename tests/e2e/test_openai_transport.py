@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from e2e_http import MODEL, SERVED_NAMES, assert_error, parse_sse, wait_for
+from e2e_http import MODEL, SERVED_NAMES, assert_error, metric_samples, parse_sse, wait_for
 from zserve_proc import ZServe
 
 pytestmark = pytest.mark.timeout(120)
@@ -147,6 +147,20 @@ def http(server):
         yield c
 
 
+def labelled(http: httpx.Client, name: str, label: str) -> dict[str, float]:
+    """The series of one /metrics name by the value of one label."""
+    samples = metric_samples(http.get("/metrics").text)
+    return {
+        key.split(f'{label}="', 1)[1].split('"', 1)[0]: value
+        for key, value in samples.items()
+        if key.startswith(name + "{")
+    }
+
+
+def rejections(http: httpx.Client) -> dict[str, float]:
+    return labelled(http, "zserve:admission_rejections_total", "reason")
+
+
 def stats(http: httpx.Client) -> dict:
     return http.get("/server_info").json()["engines"][0]["stats"]
 
@@ -211,12 +225,29 @@ def test_the_api_key_comes_from_the_environment(server, http):
     assert http.get("/v1/models").status_code == 200
 
 
-def test_root_path_serves_the_app_under_the_proxys_prefix(http):
-    """uvicorn's --root-path: the proxy strips the prefix, links keep it."""
-    assert http.get("/v1/models").status_code == 200
-    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
-    assert r.status_code == 200
-    assert_error(http.get(ROOT + "/v1/models"), 404)
+def test_root_path_serves_the_app_with_and_without_the_prefix(server, http):
+    """--root-path (issue 16, item 3): as vLLM, every route answers both with the
+    proxy's prefix and without it; the API key and the probes see the same routes."""
+    for prefix in ("", ROOT):
+        assert http.get(prefix + "/v1/models").status_code == 200
+        r = http.post(prefix + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200
+        with openai.OpenAI(
+            base_url=server.base_url + prefix + "/v1",
+            api_key=KEY,
+            http_client=httpx.Client(verify=server.verify),
+            max_retries=0,
+        ) as client:
+            chat = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1
+            )
+            assert chat.choices[0].finish_reason == "length"
+        anonymous = httpx.get(server.base_url + prefix + "/health", verify=server.verify)
+        assert anonymous.status_code == 200
+        anonymous = httpx.get(server.base_url + prefix + "/v1/models", verify=server.verify)
+        assert_error(anonymous, 401)
+    assert_error(http.get(ROOT + "x/v1/models"), 404)  # a longer first segment is no prefix
+    assert_error(http.get(ROOT + ROOT + "/v1/models"), 404)
 
 
 def test_disable_fastapi_docs_removes_the_openapi_document(http):
@@ -240,12 +271,16 @@ def test_user_middleware_wraps_every_response(http):
 # --- the KV cache is a limit like the context length (item 5) -----------------------------
 
 
-def test_a_request_larger_than_the_kv_cache_is_a_400_not_an_engine_error(http):
+def test_a_request_larger_than_the_kv_cache_stops_at_it_not_in_an_engine_error(http):
+    """The KV cache is a limit like the context (issue 16, item 1): max_tokens past it
+    is cut to it; a prompt that fills it is a 400."""
     prompt = [65] * (KV_TOKENS - 10)
-    r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 11})
-    assert_error(r, 400, "max_tokens", [f"KV cache holds at most {KV_TOKENS} tokens"])
-    r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 10})
-    assert r.status_code == 200 and r.json()["usage"]["total_tokens"] <= KV_TOKENS
+    r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 11, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["total_tokens"] == KV_TOKENS
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    r = http.post("/v1/completions", json={"prompt": [65] * KV_TOKENS, "max_tokens": 1})
+    assert_error(r, 400, "input_tokens", [f"KV cache holds at most {KV_TOKENS} tokens"])
     # Chat's default max_tokens stops at the KV limit too.
     messages = [{"role": "user", "content": "y" * 960}]
     r = http.post("/v1/chat/completions", json={"messages": messages, "ignore_eos": True})
@@ -330,6 +365,7 @@ def test_the_x_priority_header_overtakes_the_body_priority(http):
 
 
 def test_admission_limits_are_503s_with_retry_after_before_any_stream(http):
+    rejected_before = rejections(http)
     blocker = Blocker(http)  # 1 request, prefilled: its prompt no longer counts
     threads = []
     try:
@@ -349,6 +385,12 @@ def test_admission_limits_are_503s_with_retry_after_before_any_stream(http):
             assert r.headers["retry-after"]
         chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
         assert_error(http.post("/v1/chat/completions", json=chat), 503)
+        # vLLM's metrics of it (issue 16, item 14): rejections by limit, waiting by reason.
+        after = rejections(http)
+        assert after["max_num_queued_tokens"] == rejected_before["max_num_queued_tokens"] + 1
+        assert after["max_num_queued_reqs"] == rejected_before["max_num_queued_reqs"] + 3
+        waiting = labelled(http, "zserve:num_requests_waiting_by_reason", "reason")
+        assert waiting == {"capacity": 2.0, "deferred": 0.0}
     finally:
         blocker.release()
     for t, result in threads:

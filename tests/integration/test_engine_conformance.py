@@ -113,3 +113,7 @@ def test_preemption_by_recompute_matches_transformers(oracle, arch, impl):
     stats = llm.engine.make_stats()
     assert stats.num_preemptions > 0
     assert stats.num_free_blocks == stats.num_total_blocks
+    # vLLM's request_num_preemptions: one observation per finished request, and every
+    # preemption belongs to one of them.
+    assert sum(stats.request_preemptions_counts) == len(prompts)
+    assert stats.request_preemptions_sum == stats.num_preemptions

@@ -7,7 +7,7 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-from frontend.admission import OverloadedError
+from frontend.admission import AdmissionRejected
 from frontend.api_key import bearer_matches
 from frontend.errors import APIError
 from frontend.grpc_inputs import sampling_fields
@@ -34,7 +34,10 @@ def test_bearer_matches(value, ok):
 
 
 def test_a_full_server_is_resource_exhausted_and_a_broken_one_unavailable():
-    assert status_of(OverloadedError("full", 503)) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (
+        status_of(AdmissionRejected("full", "max_num_queued_reqs"))
+        == grpc.StatusCode.RESOURCE_EXHAUSTED
+    )
     assert status_of(APIError("draining", 503)) == grpc.StatusCode.UNAVAILABLE
     assert status_of(APIError("bad", 400)) == grpc.StatusCode.INVALID_ARGUMENT
     assert status_of(APIError("boom", 500)) == grpc.StatusCode.INTERNAL

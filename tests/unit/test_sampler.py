@@ -192,6 +192,15 @@ def test_logprobs_are_from_raw_logits_with_rank_and_top_n():
     )
 
 
+def test_logprob_token_ids_rows_hold_the_chosen_then_exactly_the_listed_tokens():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0] + [-5.0] * (V - 4)] * 2)
+    listed, plain = logprobs_per_row(logits, torch.tensor([2, 1]), [0, 1], [[5, 0, 3], None])
+    expected = torch.log_softmax(logits, -1)[0]
+    assert listed.token_ids == [[2, 5, 0, 3]] and listed.ranks == [3]
+    assert listed.logprobs[0] == pytest.approx([expected[i].item() for i in (2, 5, 0, 3)])
+    assert plain.token_ids == [[1, 1]] and plain.ranks == [1]  # top-1 beside it, as before
+
+
 def _req(params: SamplingParams, prompt=(1, 2)) -> EngineCoreRequest:
     return EngineCoreRequest("v", list(prompt), params, 0.0)
 

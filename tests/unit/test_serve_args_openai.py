@@ -40,3 +40,31 @@ def test_good_values_pass_through():
         0.5,
         "vllm",
     )
+
+
+def test_api_key_open_paths_are_routes_of_the_table_or_vllm(capsys):
+    from frontend.app import OPEN_PATHS, api_key_open_paths
+
+    assert parse("--api-key-open-paths", "vllm").api_key_open_paths == ["vllm"]
+    assert parse("--api-key-open-paths", "/tokenize,/load").api_key_open_paths == [
+        "/tokenize",
+        "/load",
+    ]
+    vllm_open = {"/tokenize", "/detokenize", "/invocations", "/load", "/tokenizer_info"}
+    assert api_key_open_paths(["vllm"]) == OPEN_PATHS | vllm_open
+    assert api_key_open_paths([]) == OPEN_PATHS
+    with pytest.raises(SystemExit):
+        parse("--api-key-open-paths", "/tokenize,/nope")
+    assert "'/nope' is not a route of this server" in capsys.readouterr().err
+
+
+def test_help_says_the_api_key_guards_more_than_vllms(capsys):
+    with pytest.raises(SystemExit):
+        parse("--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "Unlike vLLM, whose key guards /v1 only, this also guards /tokenize, /detokenize, /invocations, /load"
+        in text
+    )
+    assert "--api-key-open-paths" in text and "vLLM's exact behaviour" in text
+    assert parse("--return-tokens-as-token-ids").return_tokens_as_token_ids

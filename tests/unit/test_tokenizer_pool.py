@@ -34,6 +34,8 @@ def test_worker_encodes_and_decodes_exactly_as_the_renderer_does(renderer):
             count, ids = await pool.encode(text, True, None, None)
             _, plain = await pool.encode(text, False, None, None)
             _, last = await pool.encode(text, False, None, 7)
+            _, first = await pool.encode(text, False, None, 7, keep_first=True)
+            last = (last, first)
             too_many, none = await pool.encode(text, False, 100, None)
             back = await pool.decode(ids, True)
             json_count, tokens, strs = await pool.tokenize_json(text, False, True)
@@ -44,7 +46,7 @@ def test_worker_encodes_and_decodes_exactly_as_the_renderer_does(renderer):
         pool.close()
     assert ids == renderer.encode(text, True) and count == len(ids)
     assert plain == renderer.encode(text, False)
-    assert last == plain[-7:]
+    assert last == (plain[-7:], plain[:7])  # truncation_side left, right
     assert refused == (len(plain), [])  # over at_most: the count only, no ids
     assert back == renderer.decode(ids, True)
     json_count, tokens, strs = as_json
