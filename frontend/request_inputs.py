@@ -58,6 +58,8 @@ async def read_inputs(
     count_prompts: Callable[[S], int] = lambda body: 1,
 ) -> RequestInputs[S]:
     """Server state, then headers, then the body: each refusal before the next cost."""
+    if ctx.asleep:
+        await ctx.wait_until_awake()
     ctx.preflight()
     header_priority = _header_priority(request)
     engine_rank = _engine_rank(request, len(ctx.client.engines))
