@@ -77,18 +77,24 @@ class SleepMode:
         if not self.engine.blocks.reset_prefix_cache():
             raise RuntimeError("KV blocks are still in use after every request was preempted")
         kv_cache_bytes = runner.kv_cache_bytes
+        self.level = level
         runner.release_kv_cache()
         self.released.add("kv_cache")
+        _return_freed_memory(runner.device)
+        # What each release gave back to the OS, measured in between.
+        freed = {"kv_cache": before["rss_bytes"] - resident_bytes()}
         if level == 2:
+            between = resident_bytes()
             runner.release_weights()
             self.released.add("weights")
-        self.level = level
-        _return_freed_memory(runner.device)
+            _return_freed_memory(runner.device)
+            freed["weights"] = between - resident_bytes()
         return {
             "level": level,
             "released": sorted(self.released),
             "preempted": preempted,
             "kv_cache_bytes": kv_cache_bytes,
+            "rss_freed_bytes": freed,
             "memory_before": before,
             "memory_after": memory_usage(runner),
         }
