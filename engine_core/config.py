@@ -7,6 +7,20 @@ from dataclasses import dataclass
 from protocol.sockets import CurveKeys
 
 
+@dataclass(frozen=True)
+class ProfilerConfig:
+    """--profiler-config: torch's profiler in every engine, started and stopped by
+    POST /start_profile and /stop_profile (vLLM's field names)."""
+
+    torch_profiler_dir: str  # absolute; one trace per engine and start/stop cycle
+    profiler: str = "torch"
+    torch_profiler_with_stack: bool = True
+    torch_profiler_record_shapes: bool = False
+    torch_profiler_with_memory: bool = False
+    torch_profiler_with_flops: bool = False
+    torch_profiler_use_gzip: bool = True
+
+
 @dataclass
 class EngineConfig:
     """What one EngineCore needs, in an engine-core process or in-process (LLM)."""
@@ -30,6 +44,7 @@ class EngineConfig:
     max_logprobs: int = 20  # -1: the whole vocabulary
     data_parallel_rank: int = 0
     data_parallel_size_local: int = 1
+    profiler: ProfilerConfig | None = None  # None: no profiler routes (--profiler-config)
 
 
 @dataclass

@@ -21,6 +21,7 @@ class ModelRunner:
     """Owns the model and its paged KV cache; turns a SchedulerOutput into logits."""
 
     def __init__(self, config: EngineConfig) -> None:
+        self.config = config
         self.device = select_device(config.device)
         self.num_threads = set_up_host(config, self.device)
         self.info = inspect_model(config.model)
@@ -67,6 +68,29 @@ class ModelRunner:
         if self.device.type == "cpu":
             usable_tokens = (self.num_blocks - 1) * self.block_size
             self.warm_up(min(64, self.max_num_batched_tokens, usable_tokens))
+
+    # --- sleep mode (engine_core/sleep_mode.py) ------------------------------------------
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache tensors held now (0 while released)."""
+        return self.num_blocks * self.spec.block_bytes if self.cache.layers else 0
+
+    def release_kv_cache(self) -> None:
+        """Drop the KV cache tensors (their contents are lost; every block must be free)."""
+        self.cache.free()
+
+    def restore_kv_cache(self) -> None:
+        self.cache.allocate(self.num_blocks)
+
+    def release_weights(self) -> None:
+        """Drop the model (every weight tensor); reload_weights() reads them from disk."""
+        self.backend = None
+
+    def reload_weights(self) -> None:
+        self.backend = make_backend(
+            self.config, self.info, self.dtype, self.device, self.max_model_len
+        )
 
     def _warmup_blocks(self) -> int:
         return -(-self.max_num_batched_tokens // self.block_size) + 2

@@ -28,6 +28,7 @@ from engine_core.client_load import HEARTBEAT_S, STATS_INTERVAL_S, ClientLoad, l
 from engine_core.config import EngineProcConfig
 from engine_core.device import release_free_memory
 from protocol import codec
+from protocol.controls import CONTROL_METHODS
 from protocol.handshake import EngineHello, EnginePlan, decode_handshake, encode_handshake
 from protocol.messages import (
     ENGINE_CORE_DEAD,
@@ -36,6 +37,7 @@ from protocol.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineReady,
+    FinishReason,
     RequestType,
     SchedulerStats,
     UtilityCall,
@@ -78,6 +80,7 @@ class EngineCoreProc:
         self.stats = SchedulerStats()
         self.owners: dict[str, int] = {}  # request id -> client index, for _CLIENT_GONE
         self.client_load = ClientLoad(0)  # sized for the API servers by connect()
+        self.controls = None  # EngineControls, once the model is loaded
         self._release_due, self._released_at = False, 0.0
 
     # --- start-up -----------------------------------------------------------------
@@ -143,9 +146,11 @@ class EngineCoreProc:
         self.client_load = ClientLoad(len(self.outputs))
 
     def load(self) -> None:
+        from engine_core.controls import EngineControls
         from engine_core.engine import EngineCore
 
         self.engine = EngineCore(self.cfg.engine)
+        self.controls = EngineControls(self, self.engine, self.cfg.engine.profiler)
         e = self.engine
         self.ready = EngineReady(
             protocol_version=PROTOCOL_VERSION,
@@ -285,7 +290,7 @@ class EngineCoreProc:
         engine = self.engine
         if kind is RequestType.ADD:
             req: EngineCoreRequest = payload
-            errors = engine.add_request(req)
+            errors = self.controls.refusal(req) or engine.add_request(req)
             if errors:
                 self.client_load.settle(req.client_index)
                 self.queue_outputs_for(req.client_index, errors)
@@ -321,25 +326,56 @@ class EngineCoreProc:
     def _make_stats(self) -> SchedulerStats:
         stats = self.engine.make_stats()
         stats.num_requests_by_client = self.client_load.by_client()
+        stats.sleep_level = self.controls.sleep_mode.level
+        stats.paused = self.controls.paused
         return stats
+
+    def push_state(self) -> None:
+        """Every API server hears this engine's state now (a sleep or wake-up), not at
+        the next heartbeat."""
+        self.stats = self._make_stats()
+        self.output_queue.put((-1, _HEARTBEAT))
+
+    def end_all_requests(self, message: str) -> int:
+        """End every request of this engine with an UNAVAILABLE error (a 503)."""
+        by_client: dict[int, list[str]] = {}
+        for rid, owner in self.owners.items():
+            by_client.setdefault(owner, []).append(rid)
+        ids = list(self.owners)
+        self.engine.abort_requests(ids)
+        for rid in ids:
+            self._forget(rid)
+        for client_index, rids in by_client.items():
+            self.queue_outputs_for(
+                client_index,
+                [error_output(rid, message, FinishReason.UNAVAILABLE) for rid in rids],
+            )
+        return len(ids)
 
     def call_utility(self, call: UtilityCall) -> None:
         # The caller's client index travels as the first argument.
         client_index, *args = call.args or [0]
-        if call.method not in UTILITY_METHODS:
-            result = UtilityResult(call.call_id, failure_message=f"unknown method {call.method!r}")
-        else:
-            try:
-                if call.method == "ping":
-                    value = "pong"
-                else:
-                    value = getattr(self.engine, call.method)(*args)
-                result = UtilityResult(call.call_id, result=value)
-            except Exception as e:  # a failed utility call must not kill the engine
-                result = UtilityResult(call.call_id, failure_message=f"{type(e).__name__}: {e}")
+
+        def reply(value: object = None, failure: str | None = None) -> None:
+            self._reply_utility(int(client_index), UtilityResult(call.call_id, value, failure))
+
+        try:
+            if call.method in CONTROL_METHODS:
+                self.controls.handle(call.method, args, reply)
+            elif call.method not in UTILITY_METHODS:
+                reply(failure=f"unknown method {call.method!r}")
+            elif call.method == "ping":
+                reply("pong")
+            else:
+                reply(getattr(self.engine, call.method)(*args))
+        except Exception as e:  # a failed utility call must not kill the engine
+            log.warning("engine %d: utility %s failed: %s", self.rank, call.method, e)
+            reply(failure=f"{type(e).__name__}: {e}")
+
+    def _reply_utility(self, client_index: int, result: UtilityResult) -> None:
         self.output_queue.put(
             (
-                int(client_index),
+                client_index,
                 EngineCoreOutputs(
                     engine_index=self.rank,
                     scheduler_stats=self._make_stats(),
@@ -369,14 +405,25 @@ class EngineCoreProc:
         self.stats: SchedulerStats = self._make_stats()
         while not self.stop.is_set():
             self.drain_inputs()
-            outputs = self.engine.step() if self.engine.has_unfinished_requests() else {}
+            outputs = self._step() if self._has_work() else {}
             self.queue_outputs(outputs)
+            self.controls.after_step()
             self.publish_load()
+
+    def _has_work(self) -> bool:
+        # Asleep, the engine keeps its requests (mode keep) but cannot step them.
+        return self.engine.has_unfinished_requests() and not self.controls.asleep
+
+    def _step(self) -> dict[int, list[EngineCoreOutput]]:
+        if self.controls.profiling:
+            with self.controls.profiler.step_range():
+                return self.engine.step()
+        return self.engine.step()
 
     def drain_inputs(self) -> None:
         """Handle every input waiting. While idle, first wait for one, at most
         STATS_INTERVAL_S (so load is still published), and give memory back."""
-        if self.engine.has_unfinished_requests():
+        if self._has_work():
             self._release_due = True
         else:
             self._release_idle_memory()

@@ -152,6 +152,14 @@ class Scheduler:
         self.num_preemptions += 1
         request.num_preemptions += 1
 
+    def preempt_all(self) -> int:
+        """Send every running request back to wait, its blocks freed (sleep mode keeps
+        requests this way while the KV cache is gone); answers how many there were."""
+        running = list(self.running)
+        for request in reversed(running):  # preempted ones queue at the head: keep order
+            self._preempt(request)
+        return len(running)
+
     def _stop_running(self, request: Request) -> None:
         self.running.remove(request)
         self.blocks.free(request)

@@ -19,6 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from frontend import serving_dev as dev
+from frontend.config import FrontendConfig
 from frontend.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
 from frontend.http_limits import BodyLimitMiddleware
 from frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -141,6 +143,7 @@ class RouteSpec:
     # vLLM answers it without the API key (its key guards /v1 only); zserve guards it
     # unless --api-key-open-paths opens it.
     vllm_open: bool = False
+    when: Callable[[FrontendConfig], bool] | None = None  # served only if this says so
 
 
 ROUTES: tuple[RouteSpec, ...] = (
@@ -168,9 +171,24 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/ping", health, ("GET", "POST"), open=True),
     RouteSpec("/load", load, vllm_open=True),
     RouteSpec("/version", version, open=True),
-    RouteSpec("/server_info", server_info),
+    RouteSpec("/server_info", server_info, when=dev.dev_routes_enabled),
     RouteSpec("/metrics", metrics, open=True),
     RouteSpec("/metrics/", metrics, open=True),
+    RouteSpec(
+        "/reset_prefix_cache", dev.reset_prefix_cache, ("POST",), when=dev.dev_routes_enabled
+    ),
+    RouteSpec("/sleep", dev.sleep, ("POST",), when=dev.dev_routes_enabled),
+    RouteSpec("/wake_up", dev.wake_up, ("POST",), when=dev.dev_routes_enabled),
+    RouteSpec("/is_sleeping", dev.is_sleeping, when=dev.dev_routes_enabled),
+    RouteSpec(
+        "/collective_rpc",
+        dev.collective_rpc,
+        ("POST",),
+        dev.CollectiveRpcRequest,
+        when=dev.dev_routes_enabled,
+    ),
+    RouteSpec("/start_profile", dev.start_profile, ("POST",), when=dev.profiler_routes_enabled),
+    RouteSpec("/stop_profile", dev.stop_profile, ("POST",), when=dev.profiler_routes_enabled),
 )
 OPEN_PATHS = frozenset(r.path for r in ROUTES if r.open)
 VLLM_OPEN_PATHS = frozenset(r.path for r in ROUTES if r.vllm_open)
@@ -226,11 +244,17 @@ class RootPathMiddleware:
         await self.app(scope, receive, send)
 
 
+def served_routes(config: FrontendConfig) -> list[RouteSpec]:
+    """The routes this configuration serves (the others answer 404)."""
+    return [r for r in ROUTES if r.when is None or r.when(config)]
+
+
 def build_app(ctx: ServingContext) -> Starlette:
     config = ctx.config
-    routes = [Route(r.path, _bind(ctx, r.handler), methods=list(r.methods)) for r in ROUTES]
+    served = served_routes(config)
+    routes = [Route(r.path, _bind(ctx, r.handler), methods=list(r.methods)) for r in served]
     if not config.disable_fastapi_docs:
-        document = orjson.dumps(build_openapi(ROUTES, VERSION, config.root_path))
+        document = orjson.dumps(build_openapi(served, VERSION, config.root_path))
         routes.append(
             Route(
                 "/openapi.json",

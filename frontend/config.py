@@ -58,6 +58,10 @@ class FrontendConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     tokenizer_pool_size: int = 1  # worker processes per API server; 0: a thread instead
     tokenize_timeout_s: float = 60.0
+    # Development and profiler routes (frontend/serving_dev.py), off by default.
+    enable_dev_routes: bool = False  # --enable-dev-routes or ZSERVE_SERVER_DEV_MODE=1
+    enable_profiler_routes: bool = False  # --profiler-config
+    wait_while_asleep_s: float = 0.0  # a request arriving while asleep: 503 at once (0)
 
 
 @dataclass

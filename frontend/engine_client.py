@@ -45,6 +45,10 @@ class EngineDeadError(RuntimeError):
     """An engine this request depends on has died."""
 
 
+class EngineAsleepError(EngineDeadError):
+    """Every engine this request could use is asleep (or going to sleep): sleep mode."""
+
+
 @dataclass
 class EngineState:
     rank: int
@@ -201,18 +205,22 @@ class EngineClient:
             engine = self.engines[pinned_rank]
             if not engine.alive:
                 raise EngineDeadError(f"engine {pinned_rank} is dead: {engine.dead_reason}")
+            if engine.stats.paused:
+                raise EngineAsleepError(f"engine {pinned_rank} is asleep")
             return engine
         n = len(self.engines)
         start = next(self._rotate) % n
         best, best_score = None, None
         for i in range(n):
             engine = self.engines[(start + i) % n]
-            if not engine.alive:
+            if not engine.alive or engine.stats.paused:
                 continue
             score = self._others_load(engine.stats) + engine.in_flight
             if best_score is None or score < best_score:
                 best, best_score = engine, score
         if best is None:
+            if any(e.alive for e in self.engines):
+                raise EngineAsleepError("every engine is asleep")
             raise EngineDeadError("no engine is alive")
         return best
 
@@ -351,7 +359,8 @@ class EngineClient:
                 engine.steps_changed_at += lag
                 silent = now - engine.last_seen
                 s = engine.stats
-                busy = s.num_running or s.num_waiting or engine.in_flight
+                # Asleep, an engine keeps its requests (mode keep) and does not step.
+                busy = (s.num_running or s.num_waiting or engine.in_flight) and not s.sleep_level
                 if not busy:
                     engine.steps_changed_at = now  # an idle engine is never stuck
                 if silent > timeout:

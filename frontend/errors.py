@@ -16,6 +16,7 @@ _TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     408: "RequestTimeoutError",
+    409: "ConflictError",
     413: "RequestTooLargeError",
     415: "UnsupportedMediaTypeError",
     422: "UnprocessableEntityError",
@@ -23,6 +24,7 @@ _TYPES = {
     500: "InternalServerError",
     501: "NotImplementedError",
     503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
 }
 
 
@@ -46,6 +48,15 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return error_body(self.message, self.status, self.param, self.type)
+
+
+# Retry-After of a request refused because the engines sleep (sleep mode).
+ASLEEP_RETRY_AFTER_S = 5
+
+
+def asleep_error(message: str) -> APIError:
+    """A 503 for a request the engines cannot take while asleep: worth retrying."""
+    return APIError(message, 503, headers={"Retry-After": str(ASLEEP_RETRY_AFTER_S)})
 
 
 def error_body(

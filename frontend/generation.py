@@ -15,7 +15,7 @@ import msgspec
 
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.engine_client import EngineClient, EngineState, RequestStream
-from frontend.errors import APIError
+from frontend.errors import APIError, asleep_error
 from protocol.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -224,6 +224,9 @@ class Generation:
         if out.finish_reason is FinishReason.REFUSED:
             self.abort()
             raise APIError(out.error or "the engine refused this request")
+        if out.finish_reason is FinishReason.UNAVAILABLE:  # asleep, or put to sleep
+            self.abort()
+            raise asleep_error(out.error or "the engine is asleep")
         if out.finish_reason is FinishReason.ERROR:
             self.abort()
             raise APIError(

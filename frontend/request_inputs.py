@@ -60,6 +60,8 @@ async def read_inputs(
 ) -> RequestInputs[S]:
     """Server state, then headers, then the body: each refusal before the next cost.
     `count_prompts`: how many prompts the body holds, in its field `prompts_field`."""
+    if ctx.asleep:
+        await ctx.wait_until_awake()
     ctx.preflight()
     header_priority = _header_priority(request)
     engine_rank = _engine_rank(request, len(ctx.client.engines))

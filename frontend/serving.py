@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 from frontend.admission import Admission, AdmissionRejected
 from frontend.config import FrontendConfig
-from frontend.engine_client import EngineClient, EngineDeadError
-from frontend.errors import APIError
+from frontend.engine_client import EngineAsleepError, EngineClient, EngineDeadError
+from frontend.errors import APIError, asleep_error
 from frontend.generation import Choice, Generation
 from frontend.limits import check_prompt_chars
 from frontend.metrics import Metrics
@@ -85,6 +86,22 @@ class ServingContext:
             raise APIError("the server is shutting down", 503, headers={"Retry-After": "5"})
         if self.client.dead:
             raise APIError("no engine is alive", 503)
+        if self.asleep:
+            raise asleep_error("the model is asleep (sleep mode): retry once it is awake")
+
+    @property
+    def asleep(self) -> bool:
+        """Every engine alive refuses new requests: asleep, or going to sleep (as each
+        last told this server: at once on every change, engine_core/controls.py)."""
+        alive = [e for e in self.client.engines if e.alive]
+        return bool(alive) and all(e.stats.paused for e in alive)
+
+    async def wait_until_awake(self) -> None:
+        """--wait-while-asleep: a request that arrives while the engines sleep waits up
+        to that long for a wake-up (preflight then refuses it if they still sleep)."""
+        deadline = time.monotonic() + self.config.wait_while_asleep_s
+        while self.asleep and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     def resolve_model(self, name: str | None) -> str:
         if not name or name in self.config.served_model_names:
@@ -170,6 +187,9 @@ class ServingContext:
         self.active.add(generation)
         try:
             generation.start()
+        except EngineAsleepError as e:
+            self.finish(generation)
+            raise asleep_error(f"the engine is not available: {e}") from None
         except EngineDeadError as e:
             self.finish(generation)
             raise APIError(f"the engine is not available: {e}", 503) from None

@@ -153,6 +153,7 @@ def engine_config(args: argparse.Namespace, topology: Topology, model_dir: str) 
         cpu_kernels=args.cpu_kernels,
         max_logprobs=args.max_logprobs,
         data_parallel_size_local=max(topology.local_engines, 1),
+        profiler=args.profiler_config,
     )
 
 
@@ -206,7 +207,39 @@ def frontend_config(
         limits=request_limits(args),
         tokenizer_pool_size=args.tokenizer_pool_size,
         tokenize_timeout_s=args.tokenize_timeout,
+        enable_dev_routes=dev_routes_enabled(args),
+        enable_profiler_routes=profiler_routes_enabled(args),
+        wait_while_asleep_s=args.wait_while_asleep,
     )
+
+
+def dev_routes_enabled(args: argparse.Namespace) -> bool:
+    """--enable-dev-routes, or ZSERVE_SERVER_DEV_MODE=1 (read here, once), with the
+    warning they deserve."""
+    env = os.environ.get("ZSERVE_SERVER_DEV_MODE", "").strip().lower()
+    if env not in ("", "0", "1", "false", "true"):
+        raise LaunchRefused(f"ZSERVE_SERVER_DEV_MODE must be 0 or 1, got {env!r}")
+    enabled = args.enable_dev_routes or env in ("1", "true")
+    if enabled:
+        log.warning(
+            "SECURITY: development routes are on (%s): /sleep, /wake_up, /collective_rpc, "
+            "/reset_prefix_cache and /server_info let any client%s stop the engines and read "
+            "the server's internals; never expose this server to untrusted clients",
+            "--enable-dev-routes" if args.enable_dev_routes else "ZSERVE_SERVER_DEV_MODE=1",
+            " with the API key" if (args.api_key or os.environ.get("ZSERVE_API_KEY")) else "",
+        )
+    return enabled
+
+
+def profiler_routes_enabled(args: argparse.Namespace) -> bool:
+    if args.profiler_config is None:
+        return False
+    log.warning(
+        "the profiler routes are on (--profiler-config): /start_profile and /stop_profile "
+        "write traces into %s; for development only",
+        args.profiler_config.torch_profiler_dir,
+    )
+    return True
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:

@@ -7,8 +7,11 @@ reads them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import re
 
+from engine_core.config import ProfilerConfig
 from frontend.limits import RequestLimits
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -90,6 +93,53 @@ def cpu_list(text: str) -> list[int]:
     if not cpus or min(cpus) < 0:
         raise argparse.ArgumentTypeError(f"not a CPU list: {text!r} (e.g. 1 or 2-3,6)")
     return sorted(set(cpus))
+
+
+# vLLM's profiler fields zserve accepts only at their default value (no effect here).
+_PROFILER_DEFAULTS_ONLY = {
+    "torch_profiler_dump_cuda_time_total": True,
+    "capture_torch_profiler": False,
+    "detailed_trace_annotation": False,
+    "delay_iterations": 0,
+    "max_iterations": 0,
+    "warmup_iterations": 0,
+    "active_iterations": 5,
+    "wait_iterations": 0,
+}
+
+
+def profiler_config(text: str) -> ProfilerConfig:
+    """--profiler-config's JSON → ProfilerConfig, every field checked."""
+    import json
+
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    raw = dict(raw)
+    raw.pop("ignore_frontend", None)  # the API servers never profile: always true here
+    for name, default in _PROFILER_DEFAULTS_ONLY.items():
+        if name in raw and raw.pop(name) != default:
+            raise argparse.ArgumentTypeError(f"{name} is not supported by zserve")
+    known = {f.name: f for f in dataclasses.fields(ProfilerConfig)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown fields {unknown}; known: {sorted(known)}")
+    if raw.get("profiler", "torch") != "torch":
+        raise argparse.ArgumentTypeError(
+            f"profiler {raw['profiler']!r} is not supported: zserve runs torch's profiler"
+        )
+    directory = raw.get("torch_profiler_dir")
+    if not isinstance(directory, str) or not directory:
+        raise argparse.ArgumentTypeError("torch_profiler_dir must be set (a folder)")
+    raw["torch_profiler_dir"] = os.path.abspath(os.path.expanduser(directory))
+    for name, value in raw.items():
+        if name.startswith("torch_profiler_with") or name.endswith(("_shapes", "_gzip")):
+            if not isinstance(value, bool):
+                raise argparse.ArgumentTypeError(f"{name} must be true or false")
+    return ProfilerConfig(**raw)
 
 
 def _positive(text: str) -> int:
@@ -434,6 +484,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=_non_negative,
         default=60.0,
         help="seconds one long text may take to tokenize before its request fails",
+    )
+
+    g = p.add_argument_group(
+        "development", "routes for operators and tests, off by default: never expose them"
+    )
+    g.add_argument(
+        "--enable-dev-routes",
+        action="store_true",
+        help="serve /server_info, /reset_prefix_cache, /sleep, /wake_up, /is_sleeping and "
+        "/collective_rpc (also: ZSERVE_SERVER_DEV_MODE=1, as vLLM's VLLM_SERVER_DEV_MODE)",
+    )
+    g.add_argument(
+        "--wait-while-asleep",
+        type=_non_negative,
+        default=0.0,
+        help="seconds a generation request that arrives while the engines sleep waits for "
+        "a wake-up before it is refused with 503 (0: refused at once)",
+    )
+    g.add_argument(
+        "--profiler-config",
+        type=profiler_config,
+        default=None,
+        help='JSON, as vLLM\'s: {"profiler": "torch", "torch_profiler_dir": DIR, '
+        '"torch_profiler_with_stack": true, "torch_profiler_record_shapes": false, '
+        '"torch_profiler_with_memory": false, "torch_profiler_with_flops": false, '
+        '"torch_profiler_use_gzip": true}: serves /start_profile and /stop_profile, which '
+        "run torch's profiler in every engine and write one trace per engine into DIR",
     )
 
     g = p.add_argument_group("processes")

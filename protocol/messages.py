@@ -35,10 +35,13 @@ class FinishReason(enum.IntEnum):
     ABORT = 2
     ERROR = 3  # the engine failed while serving the request
     REFUSED = 4  # the engine would not take the request (its `error` says why): a 400
+    # The engine cannot serve it now (asleep, or put to sleep while it ran): a 503,
+    # worth retrying once the engine is awake.
+    UNAVAILABLE = 5
 
     @property
     def openai_name(self) -> str:
-        return ("stop", "length", "abort", "error", "error")[self]
+        return ("stop", "length", "abort", "error", "error", "error")[self]
 
 
 # temperature's range, 0 (greedy) to this: both sides check it (the frontend's 400, the
@@ -184,6 +187,12 @@ class SchedulerStats(_Wire):
     # REQUEST_PREEMPTION_BUCKETS upper bound, then one for more.
     request_preemptions_sum: int = 0
     request_preemptions_counts: list[int] = []
+    # Sleep mode (engine_core/sleep_mode.py): 0 awake, else the level the engine sleeps
+    # at (1: KV cache released, 2: weights too), from the moment it stops stepping to
+    # release them until it has every one back.
+    sleep_level: int = 0
+    # Refusing new requests: asleep, or draining its own before it sleeps (mode=wait).
+    paused: bool = False
 
 
 def others_requests(by_client: list[int], client_index: int) -> int:

@@ -10,8 +10,9 @@ from zserve_proc import ZServe
 
 @pytest.fixture(scope="package")
 def default_server(tiny_model):
-    """Default flags, two served names; no test may leave it in a changed state."""
-    with ZServe(str(tiny_model("llama")), *SERVED_NAMES, *SMALL_KV) as s:
+    """Default flags, two served names, and the development routes (for /server_info);
+    no test may leave it in a changed state (none puts it to sleep)."""
+    with ZServe(str(tiny_model("llama")), *SERVED_NAMES, *SMALL_KV, "--enable-dev-routes") as s:
         yield s
         log = s.log()
     assert "Traceback" not in log, log[-4000:]

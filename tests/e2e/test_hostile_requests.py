@@ -36,6 +36,7 @@ def server(tiny_model):
         "--header-read-timeout", "1",
         "--body-read-timeout", "1",
         "--enable-log-requests",  # request lines carry client-chosen ids: the injection test
+        "--enable-dev-routes",  # /server_info
     ) as s:  # fmt: skip
         yield s
 

@@ -72,6 +72,7 @@ def server(flags_model, tmp_path_factory):
         "--trust-request-chat-template",
         "--disable-log-requests",
         "--disable-log-stats",
+        "--enable-dev-routes",
     ) as s:  # fmt: skip
         s.started_at = time.monotonic()
         yield s

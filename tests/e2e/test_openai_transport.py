@@ -132,6 +132,7 @@ def server(tiny_model, certificate, tmp_path_factory):
         *tls,
         "--disable-fastapi-docs",
         "--enable-log-requests",
+        "--enable-dev-routes",  # /server_info
         context=context,
         env={"ZSERVE_API_KEY": KEY, "PYTHONPATH": path},
     ) as s:  # fmt: skip

@@ -131,6 +131,7 @@ def two_by_two(tiny_model):
         "--metrics-prefix",
         "vllm",
         "--disable-log-requests",
+        "--enable-dev-routes",  # /server_info
     ) as s:
         yield s
 

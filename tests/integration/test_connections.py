@@ -29,6 +29,7 @@ def test_800_new_connections_spread_within_25_percent_over_4_api_servers(tiny_mo
         "4",
         "--kv-cache-memory-bytes",
         "32MiB",
+        "--enable-dev-routes",  # /server_info
     ) as server:
         counts = collections.Counter()
         with httpx.Client(base_url=server.base_url, timeout=30) as client:
@@ -98,6 +99,7 @@ def test_2000_concurrent_streams_on_one_api_server(small_model):
         "--kv-cache-memory-bytes",
         "512MiB",
         "--disable-log-requests",
+        "--enable-dev-routes",  # /server_info
     ) as server:
         api_pid = server_info(server.base_url)["pid"]
         rss_before = _rss_kib(api_pid)
@@ -138,7 +140,12 @@ def test_a_slow_reader_is_held_back_by_flow_control(tiny_model):
     """A client that stops reading: the server stops writing (the socket buffers fill)
     and keeps only that request's own tokens; nothing else grows."""
     with ZServe(
-        str(tiny_model("llama")), "--served-model-name", MODEL, "--kv-cache-memory-bytes", "64MiB"
+        str(tiny_model("llama")),
+        "--served-model-name",
+        MODEL,
+        "--kv-cache-memory-bytes",
+        "64MiB",
+        "--enable-dev-routes",  # /server_info
     ) as server:
         api_pid = server_info(server.base_url)["pid"]
         rss_before = _rss_kib(api_pid)
@@ -193,6 +200,7 @@ def test_engine_and_api_server_cpus_are_pinned_as_asked(tiny_model):
         str(cpus[0]),
         "--kv-cache-memory-bytes",
         "32MiB",
+        "--enable-dev-routes",  # /server_info
     ) as server:
         info = server_info(server.base_url)
         assert _allowed_cpus(info["engines"][0]["pid"]) == str(cpus[1])

@@ -106,7 +106,16 @@ def test_a_rogue_key_pair_reaches_no_engine_link_and_the_real_one_does(tiny_mode
     env = {"XDG_CONFIG_HOME": str(tmp_path / "config")}  # keys: created by the head
     model = str(tiny_model("llama"))
     flags = dp_flags("127.0.0.1", rpc)
-    head = ZServe(model, "--served-model-name", MODEL, *COMMON, *flags, env=env, wait_ready=False)
+    head = ZServe(
+        model,
+        "--served-model-name",
+        MODEL,
+        "--enable-dev-routes",  # /server_info
+        *COMMON,
+        *flags,
+        env=env,
+        wait_ready=False,
+    )
     worker = ZServe(
         model,
         "--headless",

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.timeout(180)
 
 MODEL = "tiny"
 SMALL_KV = ("--kv-cache-memory-bytes", "64MiB", "--disable-log-requests")
+DEV = ("--enable-dev-routes",)  # /server_info
 
 
 class StreamReader(threading.Thread):
@@ -85,7 +86,7 @@ def _health(base_url: str) -> int | None:
 
 
 def test_engine_death_ends_streams_with_an_error_turns_health_503_and_exits_non_zero(small_model):
-    server = ZServe(str(small_model), "--served-model-name", MODEL, *SMALL_KV)
+    server = ZServe(str(small_model), "--served-model-name", MODEL, *SMALL_KV, *DEV)
     with server:
         reader = StreamReader(server.base_url)
         reader.start()
@@ -108,7 +109,13 @@ def test_engine_death_ends_streams_with_an_error_turns_health_503_and_exits_non_
 
 def test_a_hung_engine_is_detected_by_its_heartbeat(small_model):
     server = ZServe(
-        str(small_model), "--served-model-name", MODEL, *SMALL_KV, "--engine-heartbeat-timeout", "2"
+        str(small_model),
+        "--served-model-name",
+        MODEL,
+        *SMALL_KV,
+        *DEV,
+        "--engine-heartbeat-timeout",
+        "2",
     )
     with server:
         reader = StreamReader(server.base_url)
@@ -194,6 +201,7 @@ def test_admission_limits_hold_for_the_whole_server(small_model):
         "--served-model-name",
         MODEL,
         *SMALL_KV,
+        *DEV,
         "--api-server-count",
         "2",
         "--max-num-queued-reqs",

@@ -217,6 +217,7 @@ def test_an_engine_started_before_its_head_waits_and_rogue_peers_get_nothing(tin
         model,
         "--served-model-name",
         MODEL,
+        "--enable-dev-routes",  # /server_info
         *COMMON,
         *dp_flags("::1", rpc),
         env=env,

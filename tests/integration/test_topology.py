@@ -26,6 +26,7 @@ def mesh(tiny_model):
         "2",
         "--kv-cache-memory-bytes",
         "64MiB",
+        "--enable-dev-routes",  # /server_info
     ) as s:
         yield s
 

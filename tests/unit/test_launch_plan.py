@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 
 import pytest
 
@@ -100,3 +101,76 @@ def test_refusals_and_missing_models_stop_the_launch_with_their_message(tmp_path
         plan_launch(parse("m", "--trust-remote-code"))
     with pytest.raises(LaunchRefused, match="does not exist"):
         plan_launch(parse(str(tmp_path / "nope")))
+
+
+# --- development and profiler routes (issue 18) -----------------------------------------
+
+
+def test_dev_routes_are_off_by_default_and_on_by_flag_or_environment(monkeypatch, caplog):
+    monkeypatch.delenv("ZSERVE_SERVER_DEV_MODE", raising=False)
+    assert not planned().frontend.enable_dev_routes
+    with caplog.at_level("WARNING", logger="zserve.supervisor"):
+        assert planned("--enable-dev-routes").frontend.enable_dev_routes
+    assert "SECURITY" in caplog.text and "--enable-dev-routes" in caplog.text
+    caplog.clear()
+    for value, enabled in (("1", True), ("true", True), ("0", False), ("", False)):
+        monkeypatch.setenv("ZSERVE_SERVER_DEV_MODE", value)
+        assert planned().frontend.enable_dev_routes is enabled, value
+    assert "ZSERVE_SERVER_DEV_MODE=1" in caplog.text
+    monkeypatch.setenv("ZSERVE_SERVER_DEV_MODE", "yes please")
+    with pytest.raises(LaunchRefused, match="ZSERVE_SERVER_DEV_MODE must be 0 or 1"):
+        planned()
+
+
+def test_wait_while_asleep_reaches_the_api_servers():
+    assert planned().frontend.wait_while_asleep_s == 0.0
+    assert planned("--wait-while-asleep", "2.5").frontend.wait_while_asleep_s == 2.5
+
+
+def test_profiler_config_reaches_every_engine_and_turns_the_routes_on(tmp_path):
+    p = planned()
+    assert p.engine.profiler is None and not p.frontend.enable_profiler_routes
+    config = {
+        "profiler": "torch",
+        "torch_profiler_dir": str(tmp_path / "traces"),
+        "torch_profiler_record_shapes": True,
+        "torch_profiler_use_gzip": False,
+        "ignore_frontend": True,
+        "delay_iterations": 0,
+    }
+    p = planned("--profiler-config", json.dumps(config))
+    assert p.frontend.enable_profiler_routes
+    profiler = p.engine.profiler
+    assert profiler.torch_profiler_dir == str(tmp_path / "traces")
+    assert profiler.torch_profiler_record_shapes and not profiler.torch_profiler_use_gzip
+    assert profiler.torch_profiler_with_stack  # vLLM's default
+    worker = build_plan(
+        parse("m", "--headless", "-dp", "2", "-dpl", "1", "-dpr", "1", "-dpa", "10.0.0.1",
+              "-dpp", "5555", "--profiler-config", json.dumps(config)),
+        "/models/m", "/models/m",
+    )  # fmt: skip
+    assert worker.engine.profiler == profiler  # headless engines profile too
+
+
+def test_profiler_config_relative_dirs_become_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    p = planned("--profiler-config", '{"torch_profiler_dir": "traces"}')
+    assert p.engine.profiler.torch_profiler_dir == str(tmp_path / "traces")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("not json", "not JSON"),
+        ("[1]", "must be a JSON object"),
+        ('{"profiler": "torch"}', "torch_profiler_dir must be set"),
+        ('{"profiler": "cuda", "torch_profiler_dir": "/t"}', "'cuda' is not supported"),
+        ('{"torch_profiler_dir": "/t", "bogus": 1}', "unknown fields ['bogus']"),
+        ('{"torch_profiler_dir": "/t", "max_iterations": 3}', "max_iterations is not supported"),
+        ('{"torch_profiler_dir": "/t", "torch_profiler_with_stack": "yes"}', "true or false"),
+    ],
+)
+def test_bad_profiler_configs_are_refused_naming_the_field(text, message, capsys):
+    with pytest.raises(SystemExit):
+        parse("m", "--profiler-config", text)
+    assert message in capsys.readouterr().err
