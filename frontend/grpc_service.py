@@ -19,6 +19,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated.vllm_engine_pb2_grpc import VllmEngineServicer
 
+from frontend import engine_actions
 from frontend.admission import AdmissionRejected
 from frontend.errors import APIError
 from frontend.generation import Generation
@@ -40,7 +41,9 @@ _CODES = {
     408: grpc.StatusCode.DEADLINE_EXCEEDED,
     413: grpc.StatusCode.RESOURCE_EXHAUSTED,
     501: grpc.StatusCode.UNIMPLEMENTED,
+    409: grpc.StatusCode.FAILED_PRECONDITION,
     503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 
 
@@ -269,30 +272,37 @@ class EngineService(VllmEngineServicer):
             await asyncio.sleep(min(0.1, max(0.0, deadline - loop.time())))
 
     async def _reset_prefix_caches(self) -> bool:
-        client = self.ctx.client
-        engines = [e for e in client.engines if e.alive]
-        if not engines:
-            raise RuntimeError("no engine is alive")
-        results = await asyncio.wait_for(
-            asyncio.gather(*(client.call_utility(e, "reset_prefix_cache") for e in engines)),
-            UTILITY_TIMEOUT_S,
-        )
-        return all(r is True for r in results)
+        """True once every engine forgot its cached blocks; False while one still has
+        requests on them (engine_actions' 409)."""
+        try:
+            await engine_actions.reset_prefix_cache(self.ctx.client)
+        except APIError as e:
+            if e.status == 409:
+                return False
+            raise RuntimeError(e.message) from None
+        return True
 
-    async def StartProfile(self, request, context: grpc.aio.ServicerContext):
-        await self._no_profiler(context)
+    async def StartProfile(
+        self, request: common_pb2.StartProfileRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ProfileResponse:
+        """The engines' torch profiler (--profiler-config), as POST /start_profile."""
+        return await self._profile(engine_actions.start_profile, context)
 
-    async def StopProfile(self, request, context: grpc.aio.ServicerContext):
-        await self._no_profiler(context)
+    async def StopProfile(
+        self, request: common_pb2.StopProfileRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ProfileResponse:
+        return await self._profile(engine_actions.stop_profile, context)
 
-    async def _no_profiler(self, context: grpc.aio.ServicerContext) -> None:
-        # HOOK(issue 18 §3): start and stop the engines' profiler here once
-        # --profiler-config exists.
-        await context.abort(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            "this server has no profiler configured (zserve's --profiler-config is not "
-            "available yet)",
-        )
+    async def _profile(
+        self, action, context: grpc.aio.ServicerContext
+    ) -> common_pb2.ProfileResponse:
+        try:
+            results = await action(self.ctx.client)
+        except APIError as e:
+            if e.status == 409:  # no profiler configured, or not running / running already
+                return common_pb2.ProfileResponse(success=False, message=e.message)
+            await context.abort(status_of(e), e.message)
+        return common_pb2.ProfileResponse(success=True, message=json.dumps(results))
 
     async def SubscribeKvEvents(self, request, context: grpc.aio.ServicerContext):
         await context.abort(
