@@ -55,7 +55,7 @@ async def read_generate(ctx: ServingContext, request: pb.GenerateRequest) -> Gen
     if request.HasField("data_parallel_rank"):
         engine_rank = check_rank(request.data_parallel_rank, len(ctx.client.engines))
     prompt = await prompt_ids(ctx, request, body)
-    params = sampling_params(
+    (params,) = sampling_params(
         ctx,
         body,
         [prompt],
@@ -141,21 +141,21 @@ async def prompt_ids(
 ) -> list[int]:
     """The prompt's token ids (the gateway's usual input), or the text tokenized here;
     cut to its last truncate_prompt_tokens. A too-long prompt is refused before its
-    ids are copied out of the message."""
-    keep = truncation(body.truncate_prompt_tokens, ctx.max_model_len)
+    ids are copied out of the message (cut copies them: a prompt within the limits)."""
+    cut = truncation(body, ctx.max_model_len)
     kind = request.WhichOneof("input")
     if kind == "tokenized":
         given = request.tokenized.input_ids
         if not given:
             raise APIError("tokenized.input_ids may not be empty", param="tokenized.input_ids")
-        if keep is None and len(given) >= ctx.max_model_len:
+        if cut is None and len(given) >= ctx.max_model_len:
             raise context_length_error(len(given), ctx.max_model_len)
-        ids = list(given[-keep:] if keep else given)
+        ids = cut.apply(list(given)) if cut else list(given)
         check_token_ids(ids, ctx.vocab_size, "tokenized.input_ids")
         return ids
     if kind == "text":
-        ctx.check_text_length(request.text, "text", truncating=keep is not None)
-        return await ctx.encode(request.text, True, keep)
+        ctx.check_text_length(request.text, "text", truncating=cut is not None)
+        return await ctx.encode(request.text, True, cut)
     raise APIError(
         "the request has no input: send tokenized.input_ids (or text)", param="tokenized"
     )

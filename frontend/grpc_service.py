@@ -53,12 +53,14 @@ _FIELDS.update((f.name, f"sampling_params.{f.name}") for f in pb.SamplingParams.
 
 
 def details_of(error: APIError) -> str:
-    """The error's message, naming the field as the proto spells it."""
-    field = _FIELDS.get(error.param or "")
+    """The error's message, naming the field as the proto spells it (the HTTP path's
+    params may read body.<field>, as vLLM's do)."""
+    param = (error.param or "").removeprefix("body.")
+    field = _FIELDS.get(param)
     if field is None or error.message.startswith(field):
         return error.message
-    if error.message.startswith(f"{error.param}:"):
-        return field + error.message[len(error.param) :]
+    if error.message.startswith(f"{param}:"):
+        return field + error.message[len(param) :]
     return f"{field}: {error.message}"
 
 
@@ -90,7 +92,7 @@ class EngineService(VllmEngineServicer):
         generation = None
         try:
             g = await read_generate(ctx, request)
-            generation = ctx.submit(g.inputs, [g.prompt], g.params)
+            generation = ctx.submit(g.inputs, [g.prompt], [g.params])
             self.by_id.setdefault(generation.request_id, set()).add(generation)
             await context.send_initial_metadata(
                 (
