@@ -160,6 +160,8 @@ class EngineCoreProc:
             hostname=socket.gethostname(),
             max_request_tokens=e.max_request_tokens,
             eos_token_ids=sorted(e.eos_token_ids),
+            incarnation=self.cfg.incarnation,
+            node_id=self.cfg.node_id,
         )
 
     def announce(self) -> None:

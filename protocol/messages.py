@@ -258,6 +258,10 @@ class EngineReady(_Wire):
     # cache is smaller (the last sampled token needs no KV). The engine refuses more.
     max_request_tokens: int = 0
     eos_token_ids: list[int] = []  # what ends a sequence (unless ignore_eos)
+    # Which start of this rank this is (0 first; the supervisor's count of restarts):
+    # an API server takes a higher one as the rank re-joining after a death.
+    incarnation: int = 0
+    node_id: str = ""  # the Ray node the engine runs on (--data-parallel-backend ray)
 
 
 # First frame of [ENGINE_CORE_DEAD, rank] an engine sends every API server when it dies
