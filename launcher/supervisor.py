@@ -108,6 +108,9 @@ class Supervisor:
         """Join the Ray cluster and reserve the engines' bundles, before any child
         starts; the API servers bind on this node's Ray address unless
         --data-parallel-address says otherwise."""
+        # Each engine's log lines as they are: Ray's driver would fold lines that
+        # differ only in numbers (the ranks) into one "[repeated Nx]".
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
         from launcher.ray_engines import RayEngines
 
         self.engines = engines = RayEngines(self.plan.ray)
