@@ -71,12 +71,15 @@ class RayEngines:
         the API servers bind for the engines)."""
         address = self.plan.address
         _check_reachable(address)
-        ray.init(
-            address=address,
-            namespace="zserve",
-            logging_level=logging.WARNING,
-            log_to_driver=True,  # the engines' log lines appear in the supervisor's output
-        )
+        try:
+            ray.init(
+                address=address,
+                namespace="zserve",
+                logging_level=logging.WARNING,
+                log_to_driver=True,  # the engines' log lines appear in the supervisor's output
+            )
+        except Exception as e:  # Ray's own: a wrong address, another Ray version
+            raise StartupError(f"cannot join the Ray cluster at {address}: {e}") from e
         self.head_node_id = ray.get_runtime_context().get_node_id()
         ip = ray.util.get_node_ip_address()
         log.info(
@@ -178,7 +181,8 @@ class RayEngines:
             if actors and ray.is_initialized():
                 for actor in actors:
                     actor.stop.remote()
-                ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+                if refs:
+                    ray.wait(refs, num_returns=len(refs), timeout=grace_s)
                 for actor in actors:
                     ray.kill(actor)
             if self.group is not None:

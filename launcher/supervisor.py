@@ -93,16 +93,19 @@ class Supervisor:
             len(self.api_servers.children),
             self.topology.data_parallel_size,
         )
-        restarts = None
-        if self.plan.engine_restart_policy == "on-failure":
-            restarts = EngineRestarts(
-                self.engines,
-                self.handshake,
-                self.engine_plan,
-                self.start_engine,
-                self.plan.engine_ready_timeout_s,
-            )
-        return monitor(self.api_servers, self.engines, restarts)
+        return monitor(self.api_servers, self.engines, self.engine_restarts())
+
+    def engine_restarts(self) -> EngineRestarts | None:
+        """--engine-restart-policy on-failure: what starts a dead engine again."""
+        if self.plan.engine_restart_policy != "on-failure":
+            return None
+        return EngineRestarts(
+            self.engines,
+            self.handshake,
+            self.engine_plan,
+            self.start_engine,
+            self.plan.engine_ready_timeout_s,
+        )
 
     def connect_ray(self) -> None:
         """Join the Ray cluster and reserve the engines' bundles, before any child
@@ -114,14 +117,7 @@ class Supervisor:
         from launcher.ray_engines import RayEngines
 
         self.engines = engines = RayEngines(self.plan.ray)
-        try:
-            ip = engines.connect()
-        except StartupError:
-            raise
-        except Exception as e:  # Ray's own errors: a wrong address, a version mismatch
-            raise StartupError(
-                f"cannot join the Ray cluster at {self.plan.ray.address}: {e}"
-            ) from e
+        ip = engines.connect()
         # ray.init may install handlers of its own; the supervisor's come first.
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)

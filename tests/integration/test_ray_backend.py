@@ -45,8 +45,29 @@ def node_args(temp_dir: str, **resources) -> dict:
     )
 
 
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (Ray's nodes, their workers and agents), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if stat[0] != "Z":
+            children.setdefault(int(stat[1]), []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
 @pytest.fixture(scope="module")
 def cluster():
+    before = descendants(os.getpid())
     temp_dir = tempfile.mkdtemp(prefix="zsray-")  # short: Ray's socket paths live here
     try:
         c = Cluster(
@@ -63,14 +84,10 @@ def cluster():
         c.zs_temp_dir = temp_dir  # for nodes added by a test
         yield c
     finally:
-        processes = [p.process for n in c.list_all_nodes() for p in _processes(n)]
         c.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
-        assert all(p.poll() is not None for p in processes), "Ray processes left running"
-
-
-def _processes(node) -> list:
-    return [info for infos in node.all_processes.values() for info in infos]
+    # the process table: no Ray process (GCS, raylets, workers, agents) left behind
+    _wait_for(lambda: not descendants(os.getpid()) - before, timeout=30, interval=0.2)
 
 
 def ray_server(cluster: Cluster, model: Path, *flags: str, wait_ready: bool = True) -> ZServe:
