@@ -102,7 +102,7 @@ class RayEngines:
         self.group = placement_group(
             [dict(self.bundle) for _ in range(plan.engines)],
             strategy=plan.strategy,
-            name=f"zserve-{os.getpid()}",
+            name=f"zserve-{socket.gethostname()}-{os.getpid()}",
             bundle_label_selector=bundle_selectors(plan, self.head_node_id) or None,
         )
         try:
