@@ -61,6 +61,8 @@ class EngineProcConfig:
     log_level: str = "INFO"
     parent_pid: int | None = None
     cpus: list[int] | None = None  # CPU affinity (--engine-cpus)
+    incarnation: int = 0  # 0 at start-up, +1 at each restart of this rank
+    node_id: str = ""  # the Ray node it runs on, reported in READY (Ray backend only)
 
 
 def cpu_thread_count(cpu_threads: int | None, cores: int, local_engines: int) -> int:

@@ -169,6 +169,8 @@ class EngineCoreProc:
             model_type=e.model_type,
             bos_token_id=e.bos_token_id,
             pad_token_id=e.pad_token_id,
+            incarnation=self.cfg.incarnation,
+            node_id=self.cfg.node_id,
         )
 
     def announce(self) -> None:

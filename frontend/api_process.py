@@ -93,8 +93,10 @@ class APIProcess:
                 pass  # the supervisor is gone; PR_SET_PDEATHSIG ends us shortly
 
     def on_engine_dead(self, engine) -> None:
-        """Tell the supervisor, which stops the server so an orchestrator restarts it."""
-        self.report(EngineDead(engine.rank, engine.dead_reason))
+        """Tell the supervisor, which stops the server so an orchestrator restarts it
+        (or, with --engine-restart-policy on-failure, starts that engine again)."""
+        incarnation = engine.ready.incarnation if engine.ready else -1
+        self.report(EngineDead(engine.rank, engine.dead_reason, incarnation))
 
     def on_control_message(self) -> None:
         """Messages from the supervisor on our pipe."""
@@ -104,7 +106,7 @@ class APIProcess:
             asyncio.get_running_loop().remove_reader(self.pipe.fileno())
             return
         if isinstance(message, EngineDead) and 0 <= message.rank < len(self.client.engines):
-            self.client.mark_dead(self.client.engines[message.rank], message.reason)
+            self.client.engine_died(message.rank, message.reason, message.incarnation)
 
     # --- the whole life -------------------------------------------------------------------
 

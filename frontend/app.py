@@ -88,6 +88,8 @@ async def server_info(ctx: ServingContext, request: Request) -> Response:
                 "alive": e.alive,
                 "pid": e.ready.pid if e.ready else None,
                 "hostname": e.ready.hostname if e.ready else None,
+                "node_id": e.ready.node_id or None if e.ready else None,  # Ray backend
+                "incarnation": e.ready.incarnation if e.ready else None,
                 "device": e.ready.device if e.ready else None,
                 "dtype": e.ready.dtype if e.ready else None,
                 "num_kv_blocks": e.ready.num_kv_blocks if e.ready else None,

@@ -29,6 +29,9 @@ class EngineDead:
 
     rank: int
     reason: str
+    # Which start of the rank died (EngineReady.incarnation); -1: whichever runs now.
+    # A report about an earlier one is stale once the rank has re-joined.
+    incarnation: int = -1
 
 
 ControlMessage = EndpointsBound | Serving | EngineDead

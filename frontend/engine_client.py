@@ -113,6 +113,9 @@ class EngineClient:
         )
         # Sending to an engine we have not heard from raises instead of vanishing.
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A restarted engine connects with its rank's identity while the dead one's
+        # connection may linger (a node gone without a TCP reset): the newcomer wins.
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.pull = make_socket(
             self.ctx,
             zmq.PULL,
@@ -170,10 +173,39 @@ class EngineClient:
             log.warning("dropped an announcement from unknown engine rank %d", rank)
             return
         engine = self.engines[rank]
+        if pending is None and engine.ready is not None:
+            if ready.incarnation < engine.ready.incarnation:
+                log.warning("dropped a stale announcement of engine %d", rank)
+                return
+            if ready.incarnation > engine.ready.incarnation:
+                self._rejoin(engine, ready)
+                return
         engine.ready = ready
         engine.last_seen = time.monotonic()
         if pending is not None:
             pending.discard(rank)
+
+    def _rejoin(self, engine: EngineState, ready: EngineReady) -> None:
+        """A restarted engine (a higher incarnation) announced itself: it takes
+        traffic again. Requests of its earlier incarnation died with it; if we had not
+        noticed that death yet, they fail now."""
+        if engine.alive:
+            self._fail_streams(engine, EngineDeadError(f"engine {engine.rank} restarted"))
+        now = time.monotonic()
+        engine.ready = ready
+        engine.alive = True
+        engine.dead_reason = ""
+        engine.stats = SchedulerStats()
+        engine.in_flight = 0
+        engine.last_seen = engine.steps_changed_at = now
+        self.dead = False
+        log.info(
+            "engine %d re-joined (incarnation %d, pid %d on %s)",
+            engine.rank,
+            ready.incarnation,
+            ready.pid,
+            ready.hostname,
+        )
 
     async def _router_reader(self) -> None:
         while True:
@@ -381,17 +413,27 @@ class EngineClient:
         engine.alive = False
         engine.dead_reason = reason
         log.error("engine %d is dead: %s", engine.rank, reason)
-        error = EngineDeadError(f"engine {engine.rank} died: {reason}")
+        self._fail_streams(engine, EngineDeadError(f"engine {engine.rank} died: {reason}"))
+        if not any(e.alive for e in self.engines):
+            self.dead = True
+        if self.on_engine_dead is not None:
+            self.on_engine_dead(engine)
+
+    def engine_died(self, rank: int, reason: str, incarnation: int = -1) -> None:
+        """The supervisor's word that an engine died; about an incarnation before the
+        one that has re-joined since, it is stale."""
+        engine = self.engines[rank]
+        if 0 <= incarnation and engine.ready and incarnation < engine.ready.incarnation:
+            return
+        self.mark_dead(engine, reason)
+
+    def _fail_streams(self, engine: EngineState, error: BaseException) -> None:
         for rid, stream in list(self.requests.items()):
             if stream.engine is engine:
                 del self.requests[rid]
                 stream.finished = True
                 stream.fail(error)
         engine.in_flight = 0
-        if not any(e.alive for e in self.engines):
-            self.dead = True
-        if self.on_engine_dead is not None:
-            self.on_engine_dead(engine)
 
     def fail_all(self, error: BaseException) -> int:
         """End every in-flight request with `error` and abort it in its engine."""

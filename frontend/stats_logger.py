@@ -8,6 +8,7 @@ import logging
 import time
 
 from frontend.engine_client import EngineClient
+from protocol.messages import SchedulerStats
 
 log = logging.getLogger("zserve.stats")
 
@@ -21,6 +22,10 @@ async def log_stats_forever(client: EngineClient, interval_s: float = 10.0) -> N
             prev, t0 = last[engine.rank]
             now = time.monotonic()
             last[engine.rank] = (s, now)
+            if not engine.alive:
+                continue
+            if s.num_steps < prev.num_steps:  # a restarted engine counts from zero again
+                prev = SchedulerStats()
             active = s.num_running or s.num_waiting or s.num_steps != prev.num_steps
             if not active:
                 continue

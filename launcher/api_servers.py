@@ -107,12 +107,12 @@ class APIServers:
         receive(new, Serving, self.plan.engine_ready_timeout_s, self.check)
         log.info("%s is back (pid %d)", new.name, new.process.pid)
 
-    def tell_engine_dead(self, rank: int, reason: str) -> None:
+    def tell_engine_dead(self, rank: int, reason: str, incarnation: int = -1) -> None:
         """So each API server ends that engine's requests with errors and /health 503."""
         for child in self.children:
             if child.pipe is not None:
                 try:
-                    child.pipe.send(EngineDead(rank, reason))
+                    child.pipe.send(EngineDead(rank, reason, incarnation))
                 except OSError:
                     pass
 

@@ -36,8 +36,10 @@ class EngineHandshake:
         self.socket = make_socket(
             ctx, zmq.ROUTER, curve=keys if needs_curve(address) else None, curve_server=True
         )
+        # A restarted engine says HELLO with its rank's identity again (engine_restarts.py).
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         try:
-            bind(self.socket, address)
+            self.address = bind(self.socket, address)  # port 0 → the port bound
         except zmq.ZMQError as e:
             self.socket.close(linger=0)
             raise StartupError(f"cannot bind the engine handshake socket {address}: {e}") from e
@@ -56,30 +58,47 @@ class EngineHandshake:
                     f"engine(s) {missing} not ready within {timeout_s:.0f} s "
                     f"(--engine-ready-timeout); remote engines join at {self.address}"
                 )
-            if not self.socket.poll(200):
-                continue
-            identity, data = self.socket.recv_multipart()
-            rank = identity_rank(identity)
-            try:
-                kind, body = decode_handshake(data)
-            except ProtocolVersionError as e:
-                self.socket.send_multipart([identity, encode_handshake("plan", _refusal(str(e)))])
-                raise ProtocolVersionError(f"engine {rank}: {e}") from None
-            except ValueError as e:
-                log.warning("dropped a malformed handshake message from %r: %s", identity, e)
-                continue
-            if kind == "hello":
-                self._on_hello(identity, rank, body, expected, plan)
-            elif kind == "ready" and rank in expected:
-                ready.add(rank)
-                log.info(
-                    "engine %d ready (pid %d on %s, %s, %d KV blocks)",
-                    rank,
-                    body.pid,
-                    body.hostname,
-                    body.device,
-                    body.num_kv_blocks,
-                )
+            if self.socket.poll(200):
+                rank = self._receive(plan, {rank: 0 for rank in expected - ready})
+                if rank is not None:
+                    ready.add(rank)
+
+    def rejoin(self, plan: EnginePlan, pending: dict[int, int]) -> list[int]:
+        """Without waiting: answer the restarted engines' HELLOs, and return the ranks
+        of `pending` (rank → the incarnation started) whose READY came."""
+        back = []
+        while self.socket.poll(0):
+            rank = self._receive(plan, pending)
+            if rank is not None:
+                back.append(rank)
+        return back
+
+    def _receive(self, plan: EnginePlan, expected: dict[int, int]) -> int | None:
+        """One message; the rank, if it was the READY of an expected incarnation."""
+        identity, data = self.socket.recv_multipart()
+        rank = identity_rank(identity)
+        try:
+            kind, body = decode_handshake(data)
+        except ProtocolVersionError as e:
+            self.socket.send_multipart([identity, encode_handshake("plan", _refusal(str(e)))])
+            raise ProtocolVersionError(f"engine {rank}: {e}") from None
+        except ValueError as e:
+            log.warning("dropped a malformed handshake message from %r: %s", identity, e)
+            return None
+        if kind == "hello":
+            self._on_hello(identity, rank, body, set(expected), plan)
+        elif kind == "ready" and expected.get(rank) == body.incarnation:
+            log.info(
+                "engine %d ready (pid %d on %s%s, %s, %d KV blocks)",
+                rank,
+                body.pid,
+                body.hostname,
+                f", Ray node {body.node_id}" if body.node_id else "",
+                body.device,
+                body.num_kv_blocks,
+            )
+            return rank
+        return None
 
     def _on_hello(
         self, identity: bytes, rank: int, hello: EngineHello, expected: set[int], plan: EnginePlan
@@ -87,7 +106,7 @@ class EngineHandshake:
         local_ranks = self.topology.local_ranks
         problem = None
         if rank not in expected or hello.rank != rank:
-            problem = f"rank {rank} is not part of this server (ranks {sorted(expected)})"
+            problem = f"rank {rank} is not expected here now (expected: ranks {sorted(expected)})"
         elif (rank in local_ranks) == hello.headless:
             problem = (
                 f"rank {rank} is {'local' if rank in local_ranks else 'remote'} here but the "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from engine_core.config import EngineConfig, cpu_thread_count
 from frontend.config import FrontendConfig
 from frontend.limits import RequestLimits
 from launcher.models import ModelNotFoundError, resolve_model
+from launcher.ray_placement import RayPlan
 from protocol.sockets import ipc_address, tcp_address
 
 log = logging.getLogger("zserve.supervisor")
@@ -76,6 +78,8 @@ class LaunchPlan:
     engine_keys_dir: str | None  # CURVE keys for TCP engine links (None: the default folder)
     engine_cpus: list[list[int] | None]  # each local engine's pins (--engine-cpus, shared)
     api_server_cpus: list[int] | None  # pins shared by the API servers
+    ray: RayPlan | None = None  # --data-parallel-backend ray: the engines are Ray actors
+    engine_restart_policy: str = "never"  # or "on-failure" (launcher/engine_restarts.py)
 
 
 def plan_launch(args: argparse.Namespace) -> LaunchPlan:
@@ -112,6 +116,23 @@ def build_plan(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) -> 
             for i in range(topology.local_engines)
         ],
         api_server_cpus=args.api_server_cpus,
+        ray=ray_plan(args),
+        engine_restart_policy=args.engine_restart_policy,
+    )
+
+
+def ray_plan(args: argparse.Namespace) -> RayPlan | None:
+    if args.data_parallel_backend != "ray":
+        return None
+    return RayPlan(
+        address=args.ray_address or os.environ.get("RAY_ADDRESS") or "",
+        engines=args.data_parallel_size,
+        engines_on_head=args.data_parallel_size_local,
+        cpus_per_engine=args.cpu_threads or 1,
+        device=args.device,
+        resources=args.ray_engine_resources,
+        strategy=args.ray_placement_strategy,
+        placement_timeout_s=args.ray_placement_timeout,
     )
 
 
@@ -119,14 +140,16 @@ def topology_of(args: argparse.Namespace) -> Topology:
     dp = args.data_parallel_size
     local = args.data_parallel_size_local
     api_servers = args.api_server_count
+    on_ray = args.data_parallel_backend == "ray"
     return Topology(
         data_parallel_size=dp,
-        local_engines=dp if local is None else local,
+        # Ray's engines are actors, even those on this node: no engine process here.
+        local_engines=0 if on_ray else dp if local is None else local,
         start_rank=args.data_parallel_start_rank,
         api_server_count=dp if api_servers is None else api_servers,
         headless=args.headless,
-        head_address=args.data_parallel_address,
-        rpc_port=args.data_parallel_rpc_port,
+        head_address=args.data_parallel_address,  # Ray: None → this node's Ray address
+        rpc_port=args.data_parallel_rpc_port or (0 if on_ray else None),
     )
 
 
@@ -148,7 +171,11 @@ def engine_config(args: argparse.Namespace, topology: Topology, model_dir: str) 
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
-        cpu_threads=engine_threads(settled, topology.local_engines),
+        cpu_threads=(
+            args.cpu_threads or 1  # a Ray engine's bundle holds that many CPUs
+            if args.data_parallel_backend == "ray"
+            else engine_threads(settled, topology.local_engines)
+        ),
         model_impl="native" if args.model_impl == "vllm" else args.model_impl,
         cpu_kernels=args.cpu_kernels,
         max_logprobs=args.max_logprobs,
@@ -329,6 +356,9 @@ def refuse_unsupported(args: argparse.Namespace) -> str | None:
         missing = sorted(set(cpus or []) - set(usable_cpus()))
         if missing:
             return f"{flag}: CPUs {missing} are not available to this process ({usable_cpus()})"
+    problem = refuse_backend(args)
+    if problem or args.data_parallel_backend == "ray":
+        return problem
     if args.headless and (local is None or local < 1):
         return "--headless needs --data-parallel-size-local >= 1 (engines to start here)"
     remote = local is not None and local < args.data_parallel_size
@@ -339,6 +369,37 @@ def refuse_unsupported(args: argparse.Namespace) -> str | None:
             "engines on other nodes need --data-parallel-address and --data-parallel-rpc-port "
             "(the head's address and handshake port)"
         )
+    return None
+
+
+def refuse_backend(args: argparse.Namespace) -> str | None:
+    """What --data-parallel-backend ray and --engine-restart-policy cannot go with."""
+    remote = (
+        args.data_parallel_size_local is not None
+        and args.data_parallel_size_local < args.data_parallel_size
+    )
+    if args.data_parallel_backend != "ray":
+        if args.engine_restart_policy != "never" and (args.headless or remote):
+            return (
+                "--engine-restart-policy on-failure restarts the engines this supervisor "
+                "starts: every engine on this node, or Ray actors (--data-parallel-backend "
+                "ray); engines of headless workers are not restarted"
+            )
+        return None
+    if importlib.util.find_spec("ray") is None:
+        return "--data-parallel-backend ray needs the ray package (pip install ray)"
+    if not (args.ray_address or os.environ.get("RAY_ADDRESS")):
+        return (
+            "--data-parallel-backend ray joins a running Ray cluster: pass --ray-address "
+            "HOST:PORT or set RAY_ADDRESS (start one with `ray start --head`)"
+        )
+    for flag, value in (
+        ("--headless", args.headless),
+        ("--data-parallel-start-rank", args.data_parallel_start_rank),
+        ("--engine-cpus", args.engine_cpus),
+    ):
+        if value:
+            return f"{flag} does not apply to --data-parallel-backend ray: Ray places every engine"
     return None
 
 

@@ -142,6 +142,28 @@ def profiler_config(text: str) -> ProfilerConfig:
     return ProfilerConfig(**raw)
 
 
+def _resources(text: str) -> dict[str, float]:
+    """'{"zs": 1, "accelerator_type:A100": 0.01}' → Ray custom resources per engine."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r} ({e})") from None
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and k and isinstance(v, (int, float)) and v >= 0
+        for k, v in value.items()
+    ):
+        raise argparse.ArgumentTypeError(
+            f"not a JSON object of resource names to amounts >= 0: {text!r}"
+        )
+    if {"CPU", "GPU"} & set(value):
+        raise argparse.ArgumentTypeError(
+            "CPU and GPU are set by --cpu-threads and --device, not --ray-engine-resources"
+        )
+    return {k: float(v) for k, v in value.items()}
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -550,7 +572,55 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="folder with the CURVE keys that secure engine links over TCP; the head creates "
         "them if missing, workers need a copy (default: $XDG_CONFIG_HOME/zserve/engine-keys)",
     )
+    g.add_argument(
+        "--data-parallel-backend",
+        "-dpb",
+        choices=["mp", "ray"],
+        default="mp",
+        help="mp: engines are processes of this node (or headless workers on others); ray: "
+        "engines are actors of a running Ray cluster (see the Ray group)",
+    )
+    g.add_argument(
+        "--engine-restart-policy",
+        choices=["never", "on-failure"],
+        default="never",
+        help="never: an engine's death fails the server; on-failure: the supervisor starts "
+        "that engine again (a Ray actor on another node if its node is gone) and it "
+        "re-joins the running API servers (its in-flight requests still fail)",
+    )
     g.add_argument("--log-level", default="INFO")
+
+    g = p.add_argument_group(
+        "Ray",
+        "--data-parallel-backend ray: one placement-group bundle per engine; "
+        "--data-parallel-size-local K puts ranks 0..K-1 on the supervisor's own Ray node "
+        "and the others on other nodes",
+    )
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        help="the running cluster's address HOST:PORT (default: the RAY_ADDRESS environment "
+        "variable)",
+    )
+    g.add_argument(
+        "--ray-engine-resources",
+        type=_resources,
+        default={},
+        help="extra Ray resources each engine's bundle asks for, as JSON, e.g. '{\"zs\": 1}' "
+        "to place engines only on nodes started with that custom resource",
+    )
+    g.add_argument(
+        "--ray-placement-strategy",
+        choices=["SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"],
+        default="SPREAD",
+        help="how Ray spreads the engines' bundles over its nodes",
+    )
+    g.add_argument(
+        "--ray-placement-timeout",
+        type=_non_negative,
+        default=60.0,
+        help="seconds Ray may take to reserve every engine's bundle before start-up fails",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -15,14 +15,17 @@ import zmq
 
 from engine_core.config import EngineProcConfig
 from launcher.api_servers import APIServers
-from launcher.children import Child, StartupError, check_alive, spawn_engine, stop_all
+from launcher.children import StartupError, check_alive, stop_all
 from launcher.engine_handshake import EngineHandshake, engine_plan
+from launcher.engine_restarts import EngineRestarts
+from launcher.engine_set import EngineSet, LocalEngines
 from launcher.monitor import monitor
 from launcher.plan import LaunchPlan
 from launcher.port import PortBusyError, claim_port
 from launcher.process_setup import raise_open_files_limit
-from protocol.handshake import ProtocolVersionError
+from protocol.handshake import EnginePlan, ProtocolVersionError
 from protocol.keys import EngineKeysError, engine_keys, start_authenticator
+from protocol.sockets import CurveKeys
 
 log = logging.getLogger("zserve.supervisor")
 
@@ -40,7 +43,7 @@ class Supervisor:
         self.zmq = zmq.Context()
         self.runtime_dir = tempfile.mkdtemp(prefix=f"zserve-{os.getpid()}-")
         self.api_servers: APIServers | None = None
-        self.engines: list[Child] = []
+        self.engines: EngineSet = LocalEngines()  # or RayEngines (connect_ray)
         self.stop_signal: int | None = None
         self.port_holder = None  # the socket holding the HTTP port (launcher/port.py)
         self.handshake: EngineHandshake | None = None
@@ -71,6 +74,8 @@ class Supervisor:
     def run_head(self) -> int:
         frontend = self.plan.frontend
         self.port_holder = claim_port(frontend.host, frontend.port)
+        if self.plan.ray is not None:
+            self.connect_ray()
         self.handshake = EngineHandshake(
             self.zmq, self.handshake_address(), self.keys, self.topology
         )
@@ -79,9 +84,7 @@ class Supervisor:
         )
         self.api_servers.start()
         self.start_engines()
-        self.handshake.run(
-            engine_plan(*self.api_servers.endpoints()), self.plan.engine_ready_timeout_s, self.check
-        )
+        self.handshake.run(self.engine_plan(), self.plan.engine_ready_timeout_s, self.check)
         self.api_servers.wait_serving()
         log.info(
             "zserve ready on %s://%s:%d (%d API server(s), %d engine(s))",
@@ -91,7 +94,41 @@ class Supervisor:
             len(self.api_servers.children),
             self.topology.data_parallel_size,
         )
-        return monitor(self.api_servers, self.engines)
+        return monitor(self.api_servers, self.engines, self.engine_restarts())
+
+    def engine_restarts(self) -> EngineRestarts | None:
+        """--engine-restart-policy on-failure: what starts a dead engine again."""
+        if self.plan.engine_restart_policy != "on-failure":
+            return None
+        return EngineRestarts(
+            self.engines,
+            self.handshake,
+            self.engine_plan,
+            self.start_engine,
+            self.plan.engine_ready_timeout_s,
+        )
+
+    def connect_ray(self) -> None:
+        """Join the Ray cluster and reserve the engines' bundles, before any child
+        starts; the API servers bind on this node's Ray address unless
+        --data-parallel-address says otherwise."""
+        # Each engine's log lines as they are: Ray's driver would fold lines that
+        # differ only in numbers (the ranks) into one "[repeated Nx]".
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+        from launcher.ray_engines import RayEngines
+
+        self.engines = engines = RayEngines(self.plan.ray)
+        ip = engines.connect()
+        # ray.init may install handlers of its own; the supervisor's come first.
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        if self.topology.head_address is None:
+            self.topology = dataclasses.replace(self.topology, head_address=ip)
+            self.plan = dataclasses.replace(self.plan, topology=self.topology)
+        engines.place()
+
+    def engine_plan(self) -> EnginePlan:
+        return engine_plan(*self.api_servers.endpoints())
 
     def run_headless(self) -> int:
         """Engines only; they join the head at its handshake address."""
@@ -117,6 +154,11 @@ class Supervisor:
         authenticates with them; a worker waits for its copy."""
         if self.topology.all_local:
             return
+        if self.plan.ray is not None and self.plan.engine_keys_dir is None:
+            # Fresh for this server, in memory only: they reach the actors through Ray.
+            self.keys = CurveKeys(*zmq.curve_keypair())
+            self.auth = start_authenticator(self.zmq, self.keys)
+            return
         headless = self.topology.headless
         self.keys = engine_keys(
             self.plan.engine_keys_dir,
@@ -130,25 +172,37 @@ class Supervisor:
         return self.topology.handshake_address(self.runtime_dir)
 
     def start_engines(self) -> None:
-        for i, rank in enumerate(self.topology.local_ranks):
-            cfg = EngineProcConfig(
-                engine=dataclasses.replace(self.plan.engine, data_parallel_rank=rank),
-                rank=rank,
-                handshake_address=self.handshake_address(),
-                local=not self.topology.headless,
-                headless=self.topology.headless,
-                ready_timeout_s=self.plan.engine_ready_timeout_s,
-                log_level=self.plan.log_level,
-                parent_pid=os.getpid(),
-                curve=self.keys,
-                cpus=self.plan.engine_cpus[i],
-            )
-            self.engines.append(spawn_engine(cfg))
+        ranks = (
+            range(self.topology.data_parallel_size) if self.plan.ray else self.topology.local_ranks
+        )
+        for rank in ranks:
+            self.start_engine(rank, 0)
+
+    def start_engine(self, rank: int, incarnation: int) -> None:
+        """Start rank `rank` here (a process) or on the Ray cluster (an actor)."""
+        on_ray = self.plan.ray is not None
+        index = rank - self.topology.start_rank
+        cfg = EngineProcConfig(
+            engine=dataclasses.replace(self.plan.engine, data_parallel_rank=rank),
+            rank=rank,
+            handshake_address=self.handshake.address
+            if self.handshake
+            else self.handshake_address(),
+            local=not (self.topology.headless or on_ray),
+            headless=self.topology.headless or on_ray,  # Ray's engines join as remote ones do
+            ready_timeout_s=self.plan.engine_ready_timeout_s,
+            log_level=self.plan.log_level,
+            parent_pid=None if on_ray else os.getpid(),
+            curve=self.keys,
+            cpus=None if on_ray else self.plan.engine_cpus[index],
+            incarnation=incarnation,
+        )
+        self.engines.start(cfg)
 
     def check(self) -> None:
         """While starting (or restarting an API server): any child's exit ends it."""
-        api = self.api_servers.children if self.api_servers else []
-        check_alive(api + self.engines, starting=True)
+        check_alive(self.api_servers.children if self.api_servers else [], starting=True)
+        self.engines.check_alive()
 
     def shutdown(self) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -156,7 +210,7 @@ class Supervisor:
         if self.api_servers is not None:
             drain = self.plan.frontend.shutdown_timeout if self.stop_signal is not None else 0.0
             stop_all([c.process for c in self.api_servers.children], grace_s=drain + STOP_GRACE_S)
-        stop_all([c.process for c in self.engines], grace_s=STOP_GRACE_S)
+        self.engines.stop_all(grace_s=STOP_GRACE_S)
         if self.api_servers is not None:
             self.api_servers.close_pipes()
         if self.handshake is not None:

@@ -279,6 +279,10 @@ class EngineReady(_Wire):
     model_type: str = ""
     bos_token_id: int | None = None
     pad_token_id: int | None = None
+    # Which start of this rank this is (0 first; the supervisor's count of restarts):
+    # an API server takes a higher one as the rank re-joining after a death.
+    incarnation: int = 0
+    node_id: str = ""  # the Ray node the engine runs on (--data-parallel-backend ray)
 
 
 # First frame of [ENGINE_CORE_DEAD, rank] an engine sends every API server when it dies

@@ -174,3 +174,55 @@ def test_bad_profiler_configs_are_refused_naming_the_field(text, message, capsys
     with pytest.raises(SystemExit):
         parse("m", "--profiler-config", text)
     assert message in capsys.readouterr().err
+
+
+def test_the_ray_backend_plans_actors_not_local_engines(monkeypatch):
+    monkeypatch.setattr(plan.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.9:6379")
+    p = planned(
+        "-dp", "3", "-dpl", "1", "--data-parallel-backend", "ray", "--cpu-threads", "2",
+        "--ray-engine-resources", '{"zs": 1}', "--engine-restart-policy", "on-failure",
+    )  # fmt: skip
+    assert p.topology.local_engines == 0 and not p.topology.all_local
+    assert p.topology.rpc_port == 0 and p.topology.head_address is None  # bound, then told
+    assert p.engine.cpu_threads == 2 and p.engine_restart_policy == "on-failure"
+    assert p.ray.address == "10.0.0.9:6379" and p.ray.engines == 3
+    assert p.ray.engines_on_head == 1 and p.ray.resources == {"zs": 1.0}
+    assert planned("--ray-address", "h:1", "-dpb", "ray").ray.address == "h:1"
+    assert planned().ray is None and planned().engine_restart_policy == "never"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-dpb", "ray"], "pass --ray-address HOST:PORT or set RAY_ADDRESS"),
+        (["-dpb", "ray", "--ray-address", "h:1", "--engine-cpus", "0"], "--engine-cpus does not"),
+        (["-dpb", "ray", "--ray-address", "h:1", "-dpr", "1"], "--data-parallel-start-rank"),
+        (
+            ["-dp", "2", "-dpl", "1", "-dpa", "h", "-dpp", "9", "--engine-restart-policy",
+             "on-failure"],
+            "engines of headless workers are not restarted",
+        ),
+    ],
+)  # fmt: skip
+def test_the_ray_backend_and_restart_policy_refuse_what_they_cannot_honour(
+    monkeypatch, argv, message
+):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(plan.importlib.util, "find_spec", lambda name: object())
+    assert message in plan.refuse_unsupported(parse("m", *argv))
+
+
+def test_the_ray_backend_without_ray_installed_says_how_to_get_it(monkeypatch):
+    monkeypatch.setattr(plan.importlib.util, "find_spec", lambda name: None)
+    problem = plan.refuse_unsupported(parse("m", "-dpb", "ray", "--ray-address", "h:1"))
+    assert "needs the ray package (pip install ray)" in problem
+
+
+@pytest.mark.parametrize(
+    "text", ['{"CPU": 2}', '["zs"]', '{"zs": -1}', '{"": 1}', "zs=1", '{"zs": "1"}']
+)
+def test_ray_engine_resources_must_be_named_non_negative_amounts(text, capsys):
+    with pytest.raises(SystemExit):
+        parse("m", "--ray-engine-resources", text)
+    assert "--ray-engine-resources" in capsys.readouterr().err
