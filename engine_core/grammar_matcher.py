@@ -55,6 +55,47 @@ class RequestGrammar:
         self.num_accepted -= num_tokens
 
 
+class Constraint:
+    """A request's structured output: its matcher, and where constraining starts.
+
+    With `end_ids` (the end of reasoning as token ids) the output is free until it
+    holds them, then the grammar applies from the next token on (vLLM's semantics: a
+    reasoning model thinks freely, then answers in the constrained form). Only the
+    last len(end_ids) tokens are kept to find them, so each token costs O(1).
+    """
+
+    __slots__ = ("grammar", "active", "_end_ids", "_tail")
+
+    def __init__(self, grammar: RequestGrammar, end_ids: Sequence[int] | None = None) -> None:
+        self.grammar = grammar
+        self._end_ids = list(end_ids or ())
+        self.active = not self._end_ids
+        self._tail: list[int] = []
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False when the active grammar refuses it."""
+        if self.active:
+            return self.grammar.accept(token_id)
+        tail = self._tail
+        tail.append(token_id)
+        if len(tail) > len(self._end_ids):
+            del tail[0]
+        if tail == self._end_ids:
+            self.active = True
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.active and self.grammar.is_terminated()
+
+
+def step_grammars(constraints: Sequence[Constraint | None]) -> list[RequestGrammar | None] | None:
+    """The grammars to mask a step's rows with (None for a free row); None when no row
+    is constrained, so the step skips masking."""
+    # Hot path: once per step.
+    grammars = [c.grammar if c is not None and c.active else None for c in constraints]
+    return grammars if any(g is not None for g in grammars) else None
+
+
 class StepBitmask:
     """The step's bitmask [max_rows, ceil(V/32)] int32, grown on demand, never shrunk.
 
