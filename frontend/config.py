@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from frontend.limits import RequestLimits
+from frontend.structured_outputs import StructuredOutputOptions
 from protocol.sockets import CurveKeys
 
 
@@ -54,6 +55,13 @@ class FrontendConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     tokenizer_pool_size: int = 1  # worker processes per API server; 0: a thread instead
     tokenize_timeout_s: float = 60.0
+    # Tool calling, reasoning and structured outputs (chat_tools.py, structured_outputs.py)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    tool_parser_plugin: str | None = None
+    reasoning_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
+    structured_outputs: StructuredOutputOptions = field(default_factory=StructuredOutputOptions)
 
 
 @dataclass

@@ -8,6 +8,7 @@ import logging
 import os
 
 from frontend.admission import Admission
+from frontend.chat_tools import load_chat_parsers
 from frontend.config import FrontendConfig
 from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.errors import APIError
@@ -46,6 +47,7 @@ class ServingContext:
         self.metrics = metrics
         self.tokenizers = tokenizers
         self.model_name = config.served_model_names[0]
+        self.chat_parsers = load_chat_parsers(config)  # tool and reasoning formats
         self.defaults = generation_defaults(renderer.generation_config)
         self.client_index = client.client_index
         self.pid = os.getpid()
