@@ -8,9 +8,12 @@ import asyncio
 import json
 from typing import Literal
 
+import agents
 import pydantic
 import pytest
 from e2e_http import MODEL
+from langchain_openai import ChatOpenAI
+from openai import AsyncOpenAI
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -30,8 +33,7 @@ CITIES = {"Paris", "Rome", "Oslo"}
 
 @pytest.fixture(scope="module")
 def chat_model(tools_server):
-    langchain_openai = pytest.importorskip("langchain_openai")
-    return langchain_openai.ChatOpenAI(
+    return ChatOpenAI(
         model=MODEL,
         base_url=tools_server.base_url + "/v1",
         api_key="none",
@@ -78,9 +80,6 @@ def test_langchain_structured_output_returns_the_model(chat_model):
 
 
 def test_openai_agents_chat_completions_model_runs_a_required_tool(tools_server):
-    agents = pytest.importorskip("agents")
-    from openai import AsyncOpenAI
-
     agents.set_tracing_disabled(True)  # the SDK would otherwise export traces to OpenAI
     calls: list[dict] = []
 
