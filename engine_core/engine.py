@@ -68,7 +68,9 @@ class EngineCore:
             self.vocab_size, self.runner.device, config.seed, kernels=self.runner.kernels
         )
         self.requests: dict[str, Request] = {}
-        self.grammars = GrammarWaits(config, self.vocab_size, self.eos_token_ids)
+        self.grammars = GrammarWaits(
+            config, self.vocab_size, self.eos_token_ids, kernels=self.runner.kernels
+        )
         self.num_aborted = 0
         self.num_steps = 0
         self.prompt_tokens_computed = 0

@@ -34,8 +34,15 @@ IDLE_WAIT_S = 0.005
 class GrammarWaits:
     """The parked requests, the grammar service and the step's bitmask of one engine."""
 
-    def __init__(self, config: EngineConfig, vocab_size: int, eos_token_ids: frozenset[int]):
+    def __init__(
+        self,
+        config: EngineConfig,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        kernels: object = None,
+    ):
         self.config = config.grammar
+        self.kernels = kernels  # the CPU kernels, when the forward runs them
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.tokenizer_dir = config.tokenizer or config.model
@@ -120,7 +127,7 @@ class GrammarWaits:
         if grammars is None:
             return
         if self._bitmask is None:
-            self._bitmask = StepBitmask(self.vocab_size, self.max_rows)
+            self._bitmask = StepBitmask(self.vocab_size, self.max_rows, kernels=self.kernels)
         self._bitmask.apply(logits, grammars)
 
     def close(self) -> None:
