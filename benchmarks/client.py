@@ -48,6 +48,8 @@ class Endpoint:
         if self.temperature is not None:
             payload["temperature"] = self.temperature
         payload.update(self.extra_body)
+        if req.extra:
+            payload.update(req.extra)
         return orjson.dumps(payload)
 
 

@@ -35,6 +35,7 @@ class SampleRequest:
     prompt: str
     prompt_len: int
     output_len: int
+    extra: dict | None = None  # fields of this request's body only (structured_load.py)
 
 
 @dataclass(frozen=True)

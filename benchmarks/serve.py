@@ -41,6 +41,7 @@ from benchmarks.stats import (
     parse_goodput,
     timeline,
 )
+from benchmarks.structured_load import StructuredLoad, constrain, load_schema, valid_documents
 from benchmarks.tokenizer import BenchTokenizer
 
 
@@ -120,9 +121,14 @@ def make_setup(args: argparse.Namespace, served: dict[str, Any] | None = None) -
         num_prefixes=args.prefix_repetition_num_prefixes,
         prefix_output_len=args.prefix_repetition_output_len,
     )
-    return Setup(
-        tok, build_requests(cfg, tok), args.metric_percentiles, parse_goodput(args.goodput)
+    load = StructuredLoad(
+        ratio=args.structured_output_ratio,
+        schema=load_schema(args.json_schema_path),
+        unique_schemas=args.structured_output_unique_schemas,
+        field=args.structured_output_field,
     )
+    requests = constrain(build_requests(cfg, tok), load, args.seed)
+    return Setup(tok, requests, args.metric_percentiles, parse_goodput(args.goodput))
 
 
 def headers_of(args: argparse.Namespace) -> dict[str, str]:
@@ -267,6 +273,10 @@ def report_run(
 ) -> None:
     """Print one run's report; write its JSON and PNG as asked."""
     print_failures(run.results)
+    texts = [r.generated_text if r.success else None for r in run.results]
+    valid, constrained = valid_documents(setup.requests, texts)
+    if constrained:
+        print(f"structured outputs: {valid}/{constrained} constrained responses parse as JSON")
     if run.recounted:
         print(
             f"note: {run.recounted} responses carried no usage; their output tokens were "

@@ -7,6 +7,7 @@ import math
 import os
 
 from benchmarks.datasets import DATASETS
+from benchmarks.structured_load import FIELDS
 
 
 def int_list(text: str) -> list[int]:
@@ -106,6 +107,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
     g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
     g.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    g.add_argument(
+        "--structured-output-ratio",
+        type=float,
+        default=0.0,
+        help="share of the requests constrained to a JSON schema (0..1)",
+    )
+    g.add_argument("--json-schema-path", help="the schema (default: a small bounded one)")
+    g.add_argument(
+        "--structured-output-unique-schemas",
+        action="store_true",
+        help="a distinct schema per constrained request: each one is compiled",
+    )
+    g.add_argument(
+        "--structured-output-field",
+        choices=FIELDS,
+        default="structured_outputs",
+        help="the request field that carries the schema",
+    )
 
     g = parser.add_argument_group("load")
     g.add_argument(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from protocol.sockets import CurveKeys
 
@@ -19,6 +19,19 @@ class ProfilerConfig:
     torch_profiler_with_memory: bool = False
     torch_profiler_with_flops: bool = False
     torch_profiler_use_gzip: bool = True
+
+
+@dataclass
+class GrammarConfig:
+    """Structured outputs in one engine (`--structured-outputs-config`, vLLM's keys
+    where vLLM has them)."""
+
+    backend: str = "xgrammar"  # the only one: "auto" means it too
+    disable_any_whitespace: bool = False  # a server-wide default for every request
+    compile_threads: int = 1  # grammars compile on these, never on the step thread
+    compile_timeout_s: float = 30.0  # a request whose grammar takes longer fails
+    cache_size: int = 256  # compiled grammars kept (LRU), keyed by constraint
+    max_spec_bytes: int = 64 * 1024  # a constraint's text (schema, regex, grammar...)
 
 
 @dataclass
@@ -45,6 +58,8 @@ class EngineConfig:
     data_parallel_rank: int = 0
     data_parallel_size_local: int = 1
     profiler: ProfilerConfig | None = None  # None: no profiler routes (--profiler-config)
+    tokenizer: str | None = None  # the grammar compiler's vocabulary (None: `model`'s)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
 
 
 @dataclass

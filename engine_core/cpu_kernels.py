@@ -46,6 +46,7 @@ _SIGNATURES = {
         _I64,
     ],
     "zs_softmax_draw": [_P, _I64, _P, _I64, _I64, _P],
+    "zs_apply_bitmask": [_P, _I64, _P, _I64, _P, _I64, _I64],
 }  # fmt: skip
 # The linear layers are in the AVX-512 build only (elsewhere oneDNN's matmul is faster).
 _LINEAR_SIGNATURES = {
@@ -68,6 +69,7 @@ class CpuKernels:
         self._rope_store = lib.zs_rope_store
         self._attention = lib.zs_paged_attention
         self._softmax_draw = lib.zs_softmax_draw
+        self._apply_bitmask = lib.zs_apply_bitmask
         self.avx512 = bool(lib.zs_has_avx512())
         lib.zs_set_threads.argtypes, lib.zs_set_threads.restype = [_INT], _INT
         self._set_threads = lib.zs_set_threads
@@ -197,6 +199,17 @@ class CpuKernels:
             logits.data_ptr(), logits.stride(0), u.data_ptr(), rows, vocab, out.data_ptr()
         )
         return out
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """fp32 logits [B, V] (rows may be strided), int32 bitmask [>= B, ceil(V/32)]: -inf
+        in place on each listed row's tokens whose bit is 0 (structured outputs)."""
+        if logits.stride(1) != 1 or bitmask.stride(1) != 1:
+            raise ValueError("apply_bitmask needs rows of contiguous logits and words")
+        index = torch.tensor(rows, dtype=torch.long)
+        self._apply_bitmask(
+            logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0),
+            index.data_ptr(), len(rows), logits.shape[1],
+        )  # fmt: skip
 
     def pack_linear(self, weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
         """bf16 weight [N, K] → the packed layout linear() reads (about the same size).

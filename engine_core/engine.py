@@ -10,6 +10,7 @@ import torch
 
 from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
+from engine_core.grammar_waits import GrammarWaits
 from engine_core.logprobs import concat_logprobs, logprobs_of_positions, logprobs_per_row
 from engine_core.model_runner import ModelRunner
 from engine_core.request import Request
@@ -72,6 +73,9 @@ class EngineCore:
             self.vocab_size, self.runner.device, config.seed, kernels=self.runner.kernels
         )
         self.requests: dict[str, Request] = {}
+        self.grammars = GrammarWaits(
+            config, self.vocab_size, self.eos_token_ids, kernels=self.runner.kernels
+        )
         self.num_aborted = 0
         self.num_steps = 0
         self.prompt_tokens_computed = 0
@@ -95,11 +99,16 @@ class EngineCore:
             validate_request(request, self.vocab_size, self.config.max_logprobs)
             self._check_fits(request)
             state = Request(request, self.eos_token_ids)
+            # A constrained request waits for its grammar outside the scheduler.
+            schedulable = request.sampling_params.structured_outputs is None or (
+                self.grammars.add(state)
+            )
         except Exception as e:  # a bad request must never take the engine down
             logger.warning("request %s refused: %s", request.request_id, e)
             return [error_output(request.request_id, str(e), FinishReason.REFUSED)]
         self.requests[request.request_id] = state
-        self.scheduler.add(state)
+        if schedulable:
+            self.scheduler.add(state)
         return []
 
     def _check_fits(self, request: EngineCoreRequest) -> None:
@@ -124,12 +133,13 @@ class EngineCore:
         for request_id in request_ids:
             request = self.requests.pop(request_id, None)
             if request is not None:
-                self.scheduler.finish_aborted(request)
+                if not self.grammars.remove(request_id):
+                    self.scheduler.finish_aborted(request)
                 self.num_aborted += 1
                 self._count_preemptions(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or len(self.grammars) > 0
 
     def reset_prefix_cache(self) -> bool:
         return self.blocks.reset_prefix_cache()
@@ -137,15 +147,19 @@ class EngineCore:
     @torch.inference_mode()
     def step(self) -> dict[int, list[EngineCoreOutput]]:
         """One schedule → forward → sample → update; outputs grouped by client_index."""
+        refused = self._admit_grammars() if self.grammars.parked else {}
         if not self.scheduler.has_unfinished():
-            return {}
+            self.grammars.wait()  # nothing to run: don't spin while grammars compile
+            return refused
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.requests:
-            return {}
+            return refused
         logits = self.runner.execute(plan)
         num_sampling = len(plan.sampling)
         sample_logits = logits[:num_sampling]
+        # Before anything reads the logits: logprobs are those of the masked distribution.
+        self.grammars.mask(sample_logits, plan.sampling)
         wanted = [i for i, r in enumerate(plan.sampling) if r.params.logprobs is not None]
         # Indexing copies: the raw logits survive the sampler's in-place processing.
         raw = sample_logits[wanted] if wanted else None
@@ -157,9 +171,25 @@ class EngineCore:
         self._count_tokens(plan)
         sampled = self.scheduler.update(plan, tokens.tolist())
         outputs = self._outputs(sampled)
+        for client_index, outs in refused.items():
+            outputs.setdefault(client_index, []).extend(outs)
         self.num_steps += 1
         self.step_time_s = time.perf_counter() - start
         return outputs
+
+    def _admit_grammars(self) -> dict[int, list[EngineCoreOutput]]:
+        """Schedule the parked requests whose grammar is ready; answer those whose
+        constraint failed (REFUSED: the client's 400)."""
+        ready, failed = self.grammars.pop_ready()
+        for request in ready:
+            self.scheduler.add(request)
+        refused: dict[int, list[EngineCoreOutput]] = {}
+        for request in failed:
+            logger.info("request %s refused: %s", request.request_id, request.error)
+            del self.requests[request.request_id]
+            output = error_output(request.request_id, request.error, FinishReason.REFUSED)
+            refused.setdefault(request.client_index, []).append(output)
+        return refused
 
     @staticmethod
     def _sampled_logprobs(requests: list[Request], raw: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -200,6 +230,11 @@ class EngineCore:
         # Hot path: one small Struct per request per step.
         grouped: dict[int, list[EngineCoreOutput]] = {}
         for request in sampled:
+            if request.error is not None:  # its constraint refused the sampled token
+                del self.requests[request.request_id]
+                output = error_output(request.request_id, request.error, request.finish_reason)
+                grouped.setdefault(request.client_index, []).append(output)
+                continue
             output = EngineCoreOutput(
                 request_id=request.request_id,
                 new_token_ids=[request.all_token_ids[-1]],
@@ -230,7 +265,7 @@ class EngineCore:
         blocks = self.blocks
         return SchedulerStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.grammars),
             kv_cache_usage=blocks.usage,
             num_total_blocks=blocks.num_usable_blocks,
             num_free_blocks=blocks.num_free_blocks,

@@ -22,11 +22,15 @@ import xgrammar as xgr
 class RequestGrammar:
     """One request's matcher over a shared compiled grammar."""
 
-    __slots__ = ("matcher", "num_accepted")
+    __slots__ = ("matcher", "num_accepted", "_stops", "_terminated")
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.num_accepted = 0
+        # Only a stop token can terminate the grammar: asking the matcher (a call into
+        # C++, ~8 us) only then keeps is_terminated() cheap on the per-step paths.
+        self._stops = frozenset(compiled.tokenizer_info.stop_token_ids)
+        self._terminated = False
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False (state unchanged) if the grammar does not
@@ -35,6 +39,8 @@ class RequestGrammar:
         if not self.matcher.accept_token(token_id):
             return False
         self.num_accepted += 1
+        if token_id in self._stops:
+            self._terminated = self.matcher.is_terminated()
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
@@ -43,7 +49,7 @@ class RequestGrammar:
 
     def is_terminated(self) -> bool:
         """A stop token was accepted: the request is done."""
-        return self.matcher.is_terminated()
+        return self._terminated
 
     def is_completed(self) -> bool:
         """The output so far is a whole sentence of the grammar (a stop token may follow)."""
@@ -53,12 +59,55 @@ class RequestGrammar:
         """Forget the last `num_tokens` accepted tokens (speculative decoding)."""
         self.matcher.rollback(num_tokens)
         self.num_accepted -= num_tokens
+        self._terminated = self.matcher.is_terminated()
+
+
+class Constraint:
+    """A request's structured output: its matcher, and where constraining starts.
+
+    With `end_ids` (the end of reasoning as token ids) the output is free until it
+    holds them, then the grammar applies from the next token on (vLLM's semantics: a
+    reasoning model thinks freely, then answers in the constrained form). Only the
+    last len(end_ids) tokens are kept to find them, so each token costs O(1).
+    """
+
+    __slots__ = ("grammar", "active", "_end_ids", "_tail")
+
+    def __init__(self, grammar: RequestGrammar, end_ids: Sequence[int] | None = None) -> None:
+        self.grammar = grammar
+        self._end_ids = list(end_ids or ())
+        self.active = not self._end_ids
+        self._tail: list[int] = []
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False when the active grammar refuses it."""
+        if self.active:
+            return self.grammar.accept(token_id)
+        tail = self._tail
+        tail.append(token_id)
+        if len(tail) > len(self._end_ids):
+            del tail[0]
+        if tail == self._end_ids:
+            self.active = True
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.active and self.grammar.is_terminated()
+
+
+def step_grammars(constraints: Sequence[Constraint | None]) -> list[RequestGrammar | None] | None:
+    """The grammars to mask a step's rows with (None for a free row); None when no row
+    is constrained, so the step skips masking."""
+    # Hot path: once per step.
+    grammars = [c.grammar if c is not None and c.active else None for c in constraints]
+    return grammars if any(g is not None for g in grammars) else None
 
 
 class StepBitmask:
     """The step's bitmask [max_rows, ceil(V/32)] int32, grown on demand, never shrunk.
 
-    Rows are filled by xgrammar; the mask is applied with torch (bitwise and, compare,
+    Rows are filled by xgrammar; with the CPU kernels the mask is one C pass over the
+    constrained rows (csrc/apply_bitmask.c). Otherwise it is applied with torch (bitwise and, compare,
     masked_fill over row chunks, into buffers reused every step): measured 2-4x faster
     on CPU than xgrammar's own apply kernel, which sets one element at a time. A batch
     mostly constrained is masked whole (free rows made all-allowed); of a sparse one
@@ -67,8 +116,11 @@ class StepBitmask:
     it only for large constrained batches on a machine with spare cores).
     """
 
-    def __init__(self, vocab_size: int, max_rows: int = 256, threads: int = 1) -> None:
+    def __init__(
+        self, vocab_size: int, max_rows: int = 256, threads: int = 1, kernels: object = None
+    ) -> None:
         self.vocab_size = vocab_size
+        self.kernels = kernels  # CpuKernels: one C pass over the constrained rows
         self.bitmask = xgr.allocate_token_bitmask(max_rows, vocab_size)
         words = self.bitmask.shape[1]
         self._bits = torch.empty(_CHUNK_ROWS, words, 32, dtype=torch.int32)
@@ -99,6 +151,8 @@ class StepBitmask:
             xgr.apply_token_bitmask_inplace(
                 logits, on_device, vocab_size=self.vocab_size, indices=rows
             )
+        elif self.kernels is not None:
+            self.kernels.apply_bitmask(logits, bitmask, rows)
         elif 2 * len(rows) >= num_rows:
             if len(rows) < num_rows:
                 free = [i for i, g in enumerate(grammars) if g is None or g.is_terminated()]

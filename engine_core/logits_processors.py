@@ -81,7 +81,8 @@ def apply_processors(
             bias_rows += [i] * len(params.logit_bias)
             bias_cols += params.logit_bias.keys()
             bias_vals += params.logit_bias.values()
-        if request.num_output_tokens < params.min_tokens:
+        # A constraint whose text is whole allows only EOS: it wins over min_tokens' ban.
+        if request.num_output_tokens < params.min_tokens and not request.constraint_complete():
             stops = request.eos_ids | request.stop_ids
             ban_rows += [i] * len(stops)
             ban_cols += stops

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine_core.logits_processors import needs_processing
 from protocol.messages import EngineCoreRequest, FinishReason, Logprobs, SamplingParams
+
+if TYPE_CHECKING:
+    from engine_core.grammar_matcher import Constraint
 
 # Temperatures below this are greedy (as in vLLM): dividing by them would overflow.
 GREEDY_EPS = 1e-5
@@ -50,6 +54,8 @@ class Request:
         "prompt_logprobs_done",
         "sampler_state",
         "num_preemptions",
+        "constraint",
+        "error",
     )
 
     def __init__(self, request: EngineCoreRequest, eos_ids: frozenset[int]) -> None:
@@ -83,6 +89,14 @@ class Request:
         self.prompt_logprobs_done = params.prompt_logprobs is None
         self.sampler_state: object | None = None  # owned by the sampler
         self.num_preemptions = 0
+        # Structured outputs (grammar_matcher.Constraint), set once its grammar is ready.
+        self.constraint: Constraint | None = None
+        self.error: str | None = None  # why a REFUSED or ERROR finish happened
+
+    def constraint_complete(self) -> bool:
+        """The constraint has started and its text is whole (only EOS may follow)."""
+        c = self.constraint
+        return c is not None and c.active and c.grammar.is_completed()
 
     @property
     def num_tokens(self) -> int:

@@ -178,8 +178,14 @@ class Scheduler:
         for request, n in zip(out.requests, out.num_tokens):
             request.num_computed_tokens += n
         for request, token in zip(out.sampling, sampled):
+            constraint = request.constraint
+            if constraint is not None and not constraint.accept(token):
+                self._refuse_token(request, token)
+                continue
             request.all_token_ids.append(token)
-            if self._check_stop(request, token):
+            if (constraint is not None and self._constraint_done(request)) or self._check_stop(
+                request, token
+            ):
                 request.status = RequestStatus.FINISHED
         for request in out.requests:
             # Publish before freeing: a finished request's blocks are worth reusing too.
@@ -206,6 +212,28 @@ class Scheduler:
             request.finish_reason = FinishReason.LENGTH
             return True
         return False
+
+    @staticmethod
+    def _constraint_done(request: Request) -> bool:
+        """The grammar took its stop token (EOS): the request ends, even under
+        ignore_eos or min_tokens, since nothing else may follow."""
+        if not request.constraint.is_terminated():
+            return False
+        request.finish_reason = FinishReason.STOP
+        request.stop_reason = None
+        return True
+
+    @staticmethod
+    def _refuse_token(request: Request, token: int) -> None:
+        # Only when other processors (allowed_token_ids, logit_bias, min_tokens) left the
+        # row nothing the constraint allows; the token is not kept.
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = FinishReason.REFUSED
+        request.error = (
+            f"structured_outputs: the constraint allows no token that the other sampling "
+            f"parameters (allowed_token_ids, logit_bias, min_tokens) leave; token {token} "
+            f"was drawn after {request.num_output_tokens} tokens"
+        )
 
     def finish_aborted(self, request: Request) -> None:
         """Drop a request wherever it is and free its blocks."""

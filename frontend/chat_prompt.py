@@ -14,6 +14,8 @@ from frontend.errors import APIError
 from frontend.limits import check_message_count
 from frontend.openai_models import ChatCompletionRequest, ChatMessage
 from frontend.sampling import truncation
+from frontend.tool_parsers.messages import template_messages
+from frontend.tool_parsers.request import ToolRequestError
 
 if TYPE_CHECKING:
     from frontend.serving import ServingContext
@@ -53,9 +55,11 @@ async def render_messages(
     chat_template: str | None = None,
     chat_template_kwargs: dict | None = None,
     truncating: bool = False,
+    tools: list[dict] | None = None,
 ) -> str:
     """The conversation as prompt text, through the model's (or a trusted request's)
-    chat template; any failure of the template is the request's fault: a 400."""
+    chat template, with `tools` (validated) as transformers' templates take them; any
+    failure of the template is the request's fault: a 400."""
     kwargs = dict(chat_template_kwargs or {})
     if "chat_template" in kwargs:
         chat_template = kwargs.pop("chat_template")
@@ -80,7 +84,12 @@ async def render_messages(
             param="messages",
         )
     check_message_count(len(messages), ctx.limits)
-    dicts = message_dicts(messages)
+    try:  # tool calls' JSON arguments as the dicts templates expect
+        dicts = template_messages(message_dicts(messages))
+    except ToolRequestError as e:
+        raise APIError(e.message, param=e.param) from None
+    if tools is not None:
+        kwargs["tools"] = tools
     # The template copies every message's text into the prompt: refuse a conversation
     # that cannot fit before rendering it, and the rendered text before tokenizing it.
     ctx.check_text_length("".join(d["content"] for d in dicts), "messages", truncating)
@@ -134,9 +143,13 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 
 
 async def render_prompt(
-    ctx: ServingContext, body: ChatCompletionRequest, messages: list[ChatMessage] | None = None
-) -> list[int]:
-    """The prompt of one conversation: `messages`, or the request's own."""
+    ctx: ServingContext,
+    body: ChatCompletionRequest,
+    messages: list[ChatMessage] | None = None,
+    tools: list[dict] | None = None,
+) -> tuple[str, list[int]]:
+    """The prompt of one conversation (`messages`, or the request's own) with `tools`:
+    its text (the output parsers read how it ends) and its token ids."""
     text = await render_messages(
         ctx,
         body.messages if messages is None else messages,
@@ -145,5 +158,7 @@ async def render_prompt(
         chat_template=body.chat_template,
         chat_template_kwargs=body.chat_template_kwargs,
         truncating=body.truncate_prompt_tokens is not None,
+        tools=tools,
     )
-    return await ctx.encode(text, body.add_special_tokens, truncation(body, ctx.max_model_len))
+    ids = await ctx.encode(text, body.add_special_tokens, truncation(body, ctx.max_model_len))
+    return text, ids

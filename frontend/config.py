@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from frontend.limits import RequestLimits
+from frontend.structured_outputs import StructuredOutputOptions
 from protocol.sockets import CurveKeys
 
 
@@ -62,6 +63,13 @@ class FrontendConfig:
     enable_dev_routes: bool = False  # --enable-dev-routes or ZSERVE_SERVER_DEV_MODE=1
     enable_profiler_routes: bool = False  # --profiler-config
     wait_while_asleep_s: float = 0.0  # a request arriving while asleep: 503 at once (0)
+    # Tool calling, reasoning and structured outputs (chat_tools.py, structured_outputs.py)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    tool_parser_plugin: str | None = None
+    reasoning_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
+    structured_outputs: StructuredOutputOptions = field(default_factory=StructuredOutputOptions)
 
 
 @dataclass

@@ -7,6 +7,7 @@ module owns ids, ADD / ABORT, detokenization and stop strings.
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -223,7 +224,8 @@ class Generation:
         """Hot path: one engine output of one choice → its delta."""
         if out.finish_reason is FinishReason.REFUSED:
             self.abort()
-            raise APIError(out.error or "the engine refused this request")
+            message = out.error or "the engine refused this request"
+            raise APIError(message, param=refused_field(message))
         if out.finish_reason is FinishReason.UNAVAILABLE:  # asleep, or put to sleep
             self.abort()
             raise asleep_error(out.error or "the engine is asleep")
@@ -273,6 +275,16 @@ class Generation:
             stop_reason=stop_reason,
             num_generated=choice.num_generated,
         )
+
+
+_FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
+
+
+def refused_field(message: str) -> str | None:
+    """The request field an engine refusal names first ("structured_outputs.regex: ..."),
+    for the 400's `param`."""
+    m = _FIELD.match(message)
+    return m.group(1) if m else None
 
 
 def merge_deltas(batch: list[ChoiceDelta], max_tokens: int) -> list[ChoiceDelta]:

@@ -19,17 +19,6 @@ INT64_MAX = 2**63 - 1
 
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
-# vLLM's structured-output fields (current and legacy names): refused, never ignored,
-# since ignoring them would return unconstrained text as if it were constrained.
-_STRUCTURED_OUTPUT_KEYS = (
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_whitespace_pattern",
-)
-
 
 class _Model(BaseModel):
     """Unknown keys are accepted and ignored (as vLLM does); no float may be NaN or
@@ -113,9 +102,6 @@ class SamplingFields(_Model):
     def _check_shared(self):
         if self.use_beam_search:
             raise ValueError("use_beam_search: beam search is not supported by this server")
-        for key in _STRUCTURED_OUTPUT_KEYS:
-            if (self.model_extra or {}).get(key) is not None:
-                raise ValueError(f"{key}: structured output is not supported by this server yet")
         opts = self.stream_options
         if opts is not None and not self.stream and (opts.model_fields_set or opts.model_extra):
             raise ValueError("stream_options: only allowed when stream is true")
@@ -169,6 +155,11 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: dict[str, Any] | None = None
+
+
 def _token_ids(prompt: list):
     """Every token id of a token-id prompt or list of them (nothing for texts)."""
     for p in prompt:
@@ -186,6 +177,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -240,11 +232,6 @@ class ChatMessage(_Model):
     name: str | None = None
 
 
-class ResponseFormat(_Model):
-    type: Literal["text", "json_object", "json_schema", "structural_tag"]
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -261,6 +248,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True
 
     COUNT_FIELDS: ClassVar[tuple[str, ...]] = ("prompt_logprobs", "top_logprobs")
 

@@ -9,6 +9,7 @@ import os
 import time
 
 from frontend.admission import Admission, AdmissionRejected
+from frontend.chat_tools import load_chat_parsers
 from frontend.config import FrontendConfig
 from frontend.engine_client import EngineAsleepError, EngineClient, EngineDeadError
 from frontend.errors import APIError, asleep_error
@@ -48,6 +49,7 @@ class ServingContext:
         self.metrics = metrics
         self.tokenizers = tokenizers
         self.model_name = config.served_model_names[0]
+        self.chat_parsers = load_chat_parsers(config)  # tool and reasoning formats
         self.defaults = generation_defaults(renderer.generation_config)
         self.client_index = client.client_index
         self.pid = os.getpid()

@@ -1,12 +1,16 @@
 """POST /v1/chat/completions (and /batch): inputs → prompt → sampling parameters →
-submit → respond."""
+submit → respond. Tools, reasoning and structured outputs ride along (chat_tools.py,
+structured_outputs.py)."""
 
 from __future__ import annotations
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from frontend.chat_output import ChatOutputParser, ChatOutputStream
 from frontend.chat_prompt import message_dicts, render_prompt
+from frontend.chat_tools import chat_tools, forced_constraint, output_parser, reasoning_end_ids
 from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
 from frontend.logprobs import chat_logprobs, prompt_logprobs
@@ -16,38 +20,81 @@ from frontend.responses import respond
 from frontend.sampling import logprob_count, sampling_params, shown_logprobs
 from frontend.serving import ServingContext
 from frontend.streaming_view import StreamingView
+from frontend.structured_outputs import check_size, request_constraint
+from frontend.tool_parsers.forced import chat_finish_reason
+from frontend.tool_parsers.request import ToolChoice
 from frontend.usage import running_usage, usage
+from protocol.messages import StructuredOutputs
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
     inputs = await read_inputs(ctx, request, ChatCompletionRequest)
     body = inputs.body
-    check_unsupported(body)
-    prompt_ids = await render_prompt(ctx, body)
-    generation = _submit(ctx, inputs, [prompt_ids])
+    parsers = ctx.chat_parsers
+    tools = chat_tools(parsers, body)
+    constraint = request_constraint(body, ctx.config.structured_outputs)
+    forced = forced_constraint(tools)
+    if forced is not None:
+        if constraint is not None:
+            raise APIError(
+                f"tool_choice: {tools.choice.mode!r} constrains the output to tool calls; "
+                f"drop {constraint.param.split('.')[0]}",
+                param="tool_choice",
+            )
+        check_size(forced, ctx.config.structured_outputs)
+        constraint = forced
+    text, prompt_ids = await render_prompt(ctx, body, tools=tools.template_tools)
+    parser = output_parser(parsers, body, tools, text)
+    if constraint is not None:
+        end_ids = reasoning_end_ids(parsers, parser, _encode_plain(ctx))
+        constraint = msgspec.structs.replace(constraint, reasoning_end_ids=end_ids)
+    generation = _submit(ctx, inputs, [prompt_ids], constraint)
     view = ChatView(
-        ctx, body, generation, f"chatcmpl-{inputs.request_id}", inputs.model, [body.messages]
+        ctx,
+        body,
+        generation,
+        f"chatcmpl-{inputs.request_id}",
+        inputs.model,
+        [body.messages],
+        parser,
+        tools.choice,
     )
     return await respond(ctx, request, view)
 
 
 async def create_batch_chat_completion(ctx: ServingContext, request: Request) -> Response:
     """vLLM's batch: one response choice per conversation, index i for conversation i;
-    never a stream."""
+    never a stream; no tools and no structured outputs."""
     inputs = await read_inputs(
         ctx, request, BatchChatCompletionRequest, lambda body: len(body.messages), "messages"
     )
     body = inputs.body
-    check_unsupported(body)
-    prompts = [await render_prompt(ctx, body, messages) for messages in body.messages]
-    generation = _submit(ctx, inputs, prompts)
+    for field in ("tools", "response_format"):
+        if getattr(body, field) is not None:
+            raise APIError(
+                f"{field} is not supported by /v1/chat/completions/batch; send the "
+                f"conversations to /v1/chat/completions one by one",
+                param=field,
+            )
+    if request_constraint(body, ctx.config.structured_outputs) is not None:
+        raise APIError(
+            "structured outputs are not supported by /v1/chat/completions/batch",
+            param="structured_outputs",
+        )
+    prompts = [(await render_prompt(ctx, body, messages))[1] for messages in body.messages]
+    generation = _submit(ctx, inputs, prompts, None)
     view = ChatView(
         ctx, body, generation, f"chatcmpl-{inputs.request_id}", inputs.model, body.messages
     )
     return await respond(ctx, request, view)
 
 
-def _submit(ctx: ServingContext, inputs, prompts: list[list[int]]) -> Generation:
+def _submit(
+    ctx: ServingContext,
+    inputs,
+    prompts: list[list[int]],
+    constraint: StructuredOutputs | None,
+) -> Generation:
     body: ChatCompletionRequest = inputs.body
     params = sampling_params(
         ctx,
@@ -58,25 +105,15 @@ def _submit(ctx: ServingContext, inputs, prompts: list[list[int]]) -> Generation
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         logprobs_field="top_logprobs",
     )
+    if constraint is not None:
+        params = [msgspec.structs.replace(p, structured_outputs=constraint) for p in params]
     generation = ctx.submit(inputs, prompts, params)
     generation.keep_logprobs = not body.stream and body.logprobs
     return generation
 
 
-def check_unsupported(body: ChatCompletionRequest) -> None:
-    if body.tools:
-        raise APIError("tools: tool calling is not supported by this server yet", param="tools")
-    if body.tool_choice not in (None, "none"):
-        raise APIError(
-            "tool_choice: tool calling is not supported by this server yet",
-            param="tool_choice",
-        )
-    if body.response_format is not None and body.response_format.type != "text":
-        raise APIError(
-            f"response_format: type {body.response_format.type!r} is not supported yet "
-            f"(structured output); only 'text' is",
-            param="response_format",
-        )
+def _encode_plain(ctx: ServingContext):
+    return lambda text: ctx.renderer.encode(text, add_special_tokens=False)
 
 
 class ChatView(StreamingView):
@@ -92,8 +129,16 @@ class ChatView(StreamingView):
         id_: str,
         model: str,
         conversations: list[list[ChatMessage]],
+        parser: ChatOutputParser | None = None,
+        tool_choice: ToolChoice | None = None,
     ):
         super().__init__(ctx, body, gen, id_, model)
+        # Reasoning and tool calls: read through the parser, one stream state per choice.
+        self.parser = parser
+        self.tool_choice = tool_choice or ToolChoice("none")
+        self.streams: list[ChatOutputStream] | None = (
+            [parser.stream() for _ in gen.choices] if parser is not None else None
+        )
         # Per conversation (prompt): the role that answers, and what echo repeats of it.
         self.roles: list[str] = []
         self.echoes: list[str] = []
@@ -158,19 +203,13 @@ class ChatView(StreamingView):
         text = d.text
         if not text and not d.finish_reason and not pending_ids:
             return []
+        if self.streams is not None:
+            return self._parsed_choices(d, pending, pending_ids)
         out = []
         if d.index not in self.started:
             self.started.add(d.index)
-            prompt_index = self.gen.choices[d.index].prompt_index
-            out.append(
-                {
-                    "index": d.index,
-                    "delta": {"role": self.roles[prompt_index], "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            )
-            text = self.echoes[prompt_index] + text
+            out.append(self._role_chunk(d.index))
+            text = self.echoes[self.gen.choices[d.index].prompt_index] + text
         choice = {
             "index": d.index,
             "delta": {"content": text} if text else {},
@@ -185,6 +224,71 @@ class ChatView(StreamingView):
         out.append(choice)
         return out
 
+    def _role_chunk(self, index: int) -> dict:
+        role = self.roles[self.gen.choices[index].prompt_index]
+        return {
+            "index": index,
+            "delta": {"role": role, "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+
+    def _parsed_choices(
+        self, d: ChoiceDelta, pending: list[dict], pending_ids: list[int]
+    ) -> list[dict]:
+        """A delta read through the request's parsers: a chunk per piece (reasoning,
+        content, a tool-call fragment), or one empty chunk when the parsers hold the
+        text back; the first carries the logprobs, the last the finish reason."""
+        stream = self.streams[d.index]
+        pieces = stream.feed(d.text)
+        if d.finish_reason:
+            pieces += stream.finish()
+        deltas = [p.to_dict() for p in pieces]
+        out = []
+        if d.index not in self.started:
+            self.started.add(d.index)
+            out.append(self._role_chunk(d.index))
+            echo = self.echoes[self.gen.choices[d.index].prompt_index]
+            if echo:
+                deltas.insert(0, {"content": echo})
+        choices = [
+            {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": None}
+            for delta in deltas or [{}]
+        ]
+        if self.body.logprobs:
+            choices[0]["logprobs"] = {"content": pending[:]}
+        pending.clear()
+        last = choices[-1]
+        if d.finish_reason:
+            last["finish_reason"] = chat_finish_reason(
+                d.finish_reason, self.tool_choice, stream.tool_calls_sent
+            )
+            last["stop_reason"] = d.stop_reason
+        last["token_ids"] = pending_ids[:] if self.body.return_token_ids else None
+        pending_ids.clear()
+        return out + choices
+
+    def _message(self, prompt_index: int, text: str) -> tuple[dict, int]:
+        """A finished choice's message, and how many tool calls it makes."""
+        echo = self.echoes[prompt_index]
+        message = {
+            "role": self.roles[prompt_index],
+            "content": echo + text,
+            "refusal": None,
+            "tool_calls": [],
+            "reasoning": None,
+        }
+        if self.parser is None:
+            return message, 0
+        parsed = self.parser.parse(text)
+        content = parsed.content
+        if echo:
+            content = echo + (content or "")
+        message["content"] = content
+        message["reasoning"] = parsed.reasoning
+        message["tool_calls"] = [call.to_dict() for call in parsed.tool_calls]
+        return message, len(parsed.tool_calls)
+
     def response(self) -> dict:
         body = self.body
         choices = []
@@ -195,18 +299,15 @@ class ChatView(StreamingView):
                 for rows in c.logprob_rows:
                     content.extend(self._logprobs(rows))
                 logprobs = {"content": content}
+            message, num_calls = self._message(c.prompt_index, c.detok.text)
             choices.append(
                 {
                     "index": c.index,
-                    "message": {
-                        "role": self.roles[c.prompt_index],
-                        "content": self.echoes[c.prompt_index] + c.detok.text,
-                        "refusal": None,
-                        "tool_calls": [],
-                        "reasoning": None,
-                    },
+                    "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": chat_finish_reason(
+                        c.finish_reason, self.tool_choice, num_calls
+                    ),
                     "stop_reason": c.stop_reason,
                     "token_ids": c.token_ids if body.return_token_ids else None,
                 }

@@ -20,6 +20,7 @@ from frontend.sampling import (
 )
 from frontend.serving import ServingContext
 from frontend.streaming_view import StreamingView
+from frontend.structured_outputs import request_constraint
 from frontend.usage import usage
 
 
@@ -62,6 +63,7 @@ def prompt_texts(body: CompletionRequest) -> list[str | None]:
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
     inputs = await read_inputs(ctx, request, CompletionRequest, num_prompts)
     body = inputs.body
+    constraint = request_constraint(body, ctx.config.structured_outputs)
     prompts = await tokenize_prompts(ctx, body)
     # vLLM's echo with max_tokens 0: just the prompt. The engine still samples one
     # token (it computes the prompt logprobs on the way); the view drops it.
@@ -74,6 +76,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         logprobs=body.logprobs,
         echo_logprobs=body.logprobs if body.echo else None,
     )
+    params.structured_outputs = constraint
     generation = ctx.submit(inputs, prompts, params)
     generation.keep_logprobs = not body.stream and body.logprobs is not None
     # Echo shows a text prompt as written, unless it was cut to its last tokens.

@@ -1,8 +1,8 @@
-"""Chat templates zserve's test models can carry.
+"""Chat templates zserve's test models carry (launcher/tiny_model.py).
 
-`CHATML_TOOLS` is the tiny models' ChatML with tool calling in Qwen2.5's (Hermes) layout, for
-`--tool-call-parser hermes`. Without tools, tool calls or tool messages it renders exactly
-what the plain ChatML template does:
+`CHATML_TOOLS`, the tiny models' template, is ChatML with tool calling in Qwen2.5's (Hermes)
+layout, for `--tool-call-parser hermes`. Without tools, tool calls or tool messages it renders
+exactly what the plain `CHATML` does (the template the models carried before):
 
 - `tools` go into a system turn (merged with the first system message) as JSON lines
   inside `<tools></tools>`, with the instruction to answer in `<tool_call>` tags;
@@ -13,6 +13,27 @@ what the plain ChatML template does:
 """
 
 from __future__ import annotations
+
+# List-of-parts content is joined text; `enable_thinking=False` closes an empty think block
+# the way Qwen3's template does, so tests can see chat_template_kwargs reach the template.
+CHATML = r"""
+{%- for message in messages -%}
+    {%- if message.content is string -%}
+        {%- set content = message.content -%}
+    {%- elif message.content is not defined or message.content is none -%}
+        {%- set content = '' -%}
+    {%- else -%}
+        {%- set content = message.content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}
+    {%- endif -%}
+    {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+    {%- if enable_thinking is defined and enable_thinking is false -%}
+        {{- '<think>\n\n</think>\n\n' -}}
+    {%- endif -%}
+{%- endif -%}
+""".strip()
 
 CHATML_TOOLS = r"""
 {%- macro text(message) -%}

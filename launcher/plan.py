@@ -16,10 +16,12 @@ import os
 from dataclasses import dataclass
 
 from engine_core.config import EngineConfig, cpu_thread_count
+from frontend.chat_tools import load_chat_parsers
 from frontend.config import FrontendConfig
 from frontend.limits import RequestLimits
 from launcher.models import ModelNotFoundError, resolve_model
 from launcher.ray_placement import RayPlan
+from launcher.structured_outputs_flag import frontend_options, grammar_config
 from protocol.sockets import ipc_address, tcp_address
 
 log = logging.getLogger("zserve.supervisor")
@@ -104,9 +106,13 @@ def build_plan(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) -> 
     frontend = None
     if not topology.headless:
         frontend = frontend_config(args, topology, model_dir, tokenizer_dir)
+        try:  # unknown parser names fail here, before any process starts
+            load_chat_parsers(frontend)
+        except ValueError as e:
+            raise LaunchRefused(str(e)) from None
     return LaunchPlan(
         topology=topology,
-        engine=engine_config(args, topology, model_dir),
+        engine=engine_config(args, topology, model_dir, tokenizer_dir),
         frontend=frontend,
         log_level=args.log_level,
         engine_ready_timeout_s=args.engine_ready_timeout,
@@ -153,7 +159,9 @@ def topology_of(args: argparse.Namespace) -> Topology:
     )
 
 
-def engine_config(args: argparse.Namespace, topology: Topology, model_dir: str) -> EngineConfig:
+def engine_config(
+    args: argparse.Namespace, topology: Topology, model_dir: str, tokenizer_dir: str | None = None
+) -> EngineConfig:
     # engine_threads reads the API-server count from the flags: give it the settled one.
     settled = copy.copy(args)
     settled.api_server_count = topology.api_server_count
@@ -181,6 +189,8 @@ def engine_config(args: argparse.Namespace, topology: Topology, model_dir: str) 
         max_logprobs=args.max_logprobs,
         data_parallel_size_local=max(topology.local_engines, 1),
         profiler=args.profiler_config,
+        tokenizer=tokenizer_dir if tokenizer_dir != model_dir else None,
+        grammar=grammar_config(args.structured_outputs_config),
     )
 
 
@@ -237,6 +247,15 @@ def frontend_config(
         enable_dev_routes=dev_routes_enabled(args),
         enable_profiler_routes=profiler_routes_enabled(args),
         wait_while_asleep_s=args.wait_while_asleep,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        tool_parser_plugin=args.tool_parser_plugin,
+        # vLLM also takes the reasoning parser inside --structured-outputs-config.
+        reasoning_parser=args.reasoning_parser
+        or args.structured_outputs_config.get("reasoning_parser")
+        or None,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        structured_outputs=frontend_options(args.structured_outputs_config),
     )
 
 

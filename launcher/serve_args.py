@@ -13,6 +13,7 @@ import re
 
 from engine_core.config import ProfilerConfig
 from frontend.limits import RequestLimits
+from launcher.structured_outputs_flag import parse_structured_outputs_config
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -409,6 +410,45 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=0.0,
         help="seconds in-flight requests may finish after SIGTERM (0: abort at once)",
+    )
+
+    g = p.add_argument_group("tool calling, reasoning and structured outputs")
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let tool_choice "auto" (the default when tools are given) parse tool calls out '
+        "of the output; needs --tool-call-parser",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="the model's tool-call format: hermes, llama3_json, mistral, qwen3_xml "
+        "(qwen3_coder), pythonic, or one a --tool-parser-plugin registers",
+    )
+    g.add_argument(
+        "--tool-parser-plugin",
+        default=None,
+        help="a Python file whose @register_tool_parser classes become --tool-call-parser names",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split reasoning (<think>...</think>) into the message's `reasoning`: "
+        "deepseek_r1 or qwen3",
+    )
+    g.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='do not render the tools into the prompt when tool_choice is "none"',
+    )
+    g.add_argument(
+        "--structured-outputs-config",
+        type=parse_structured_outputs_config,
+        default={},
+        help="JSON or key=value,...: backend (auto | xgrammar), disable_any_whitespace, "
+        "enable_in_reasoning (constrain reasoning too), disable_fallback, "
+        "disable_additional_properties, reasoning_parser; and zserve's compile_threads, "
+        "compile_timeout_s, cache_size, max_spec_bytes (largest constraint), max_choices",
     )
 
     g = p.add_argument_group(

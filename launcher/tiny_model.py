@@ -29,33 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher.chat_templates import CHATML_TOOLS
+
 logger = logging.getLogger(__name__)
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2")
 SIZES = ("tiny", "small")
 DEFAULT_MODEL_NAME = "small-llama"
 _CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
-
-# ChatML. List-of-parts content is joined text; `enable_thinking=False` closes an empty think
-# block the way Qwen3's template does, so tests can see chat_template_kwargs reach the template.
-_CHATML = r"""
-{%- for message in messages -%}
-    {%- if message.content is string -%}
-        {%- set content = message.content -%}
-    {%- elif message.content is not defined or message.content is none -%}
-        {%- set content = '' -%}
-    {%- else -%}
-        {%- set content = message.content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}
-    {%- endif -%}
-    {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|im_start|>assistant\n' -}}
-    {%- if enable_thinking is defined and enable_thinking is false -%}
-        {{- '<think>\n\n</think>\n\n' -}}
-    {%- endif -%}
-{%- endif -%}
-""".strip()
 
 
 @dataclass(frozen=True)
@@ -78,7 +59,7 @@ _TINY = _Recipe(
     eos="<|im_end|>",
     pad="<|endoftext|>",
     stop=("<|im_end|>",),
-    chat_template=_CHATML,
+    chat_template=CHATML_TOOLS,
     config=dict(
         vocab_size=320,
         hidden_size=64,
@@ -101,7 +82,7 @@ _SMALL = _Recipe(
     eos="</s>",
     pad="<pad>",
     stop=("</s>", "<|im_end|>"),
-    chat_template="{{- bos_token -}}\n" + _CHATML,
+    chat_template="{{- bos_token -}}\n" + CHATML_TOOLS,
     config=dict(
         vocab_size=8192,
         hidden_size=512,

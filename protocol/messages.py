@@ -72,6 +72,9 @@ class StructuredOutputs(_Wire):
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     param: str = ""
+    # Constrain only once the output holds these ids (the end of reasoning, as the
+    # reasoning parser tokenizes it); None: from the first token. Not part of the key.
+    reasoning_end_ids: list[int] | None = None
 
     @property
     def kind(self) -> str:

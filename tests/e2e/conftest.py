@@ -28,3 +28,34 @@ def client(default_server):
 def http(default_server):
     with http_client(default_server) as c:
         yield c
+
+
+# Tool calling and structured outputs (test_structured_outputs.py, test_tool_calling.py,
+# test_agent_frameworks.py): compact JSON keeps a random model's documents short.
+TOOLS_FLAGS = (
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+    "--structured-outputs-config",
+    "disable_any_whitespace=true",
+)
+
+
+@pytest.fixture(scope="package")
+def tools_server(tiny_model):
+    with ZServe(str(tiny_model("llama")), *SERVED_NAMES, *SMALL_KV, *TOOLS_FLAGS) as s:
+        yield s
+        log = s.log()
+    assert "Traceback" not in log, log[-4000:]
+
+
+@pytest.fixture(scope="package")
+def tools_client(tools_server):
+    with sync_client(tools_server) as c:
+        yield c
+
+
+@pytest.fixture(scope="package")
+def tools_http(tools_server):
+    with http_client(tools_server) as c:
+        yield c

@@ -210,29 +210,33 @@ def test_echo_streams_the_last_message_first(http):
     assert "".join(d.get("content", "") for d in deltas).startswith("Hi")
 
 
-def test_response_format_text_is_accepted_and_the_others_refused(client, http):
+def test_response_format_text_is_no_constraint_and_json_schema_needs_its_schema(client, http):
     r = client.chat.completions.create(
         model=MODEL, messages=USER, max_tokens=2, response_format={"type": "text"}
     )
     assert r.choices[0].finish_reason in ("stop", "length")
-    for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}):
-        body = {"messages": USER, "response_format": fmt}
-        assert_error(http.post("/v1/chat/completions", json=body), 400, "response_format")
     body = {"messages": USER, "response_format": {"type": "json_schema"}}
     assert_error(http.post("/v1/chat/completions", json=body), 400, "response_format")
+    body = {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {}}}
+    assert_error(
+        http.post("/v1/chat/completions", json=body), 400, "response_format.json_schema.schema"
+    )
 
 
-def test_tools_are_refused_until_tool_calling_exists(http):
+def test_tool_choice_auto_needs_the_server_flags_and_the_others_need_tools(http):
+    """Structured outputs and tools are tested in test_structured_outputs.py and
+    test_tool_calling.py, on a server started with the tool flags."""
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    for extra, param in [
-        ({"tools": [tool]}, "tools"),
-        ({"tools": [tool], "tool_choice": "auto"}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    for extra, words in [
+        ({"tools": [tool]}, ["--enable-auto-tool-choice"]),
+        ({"tools": [tool], "tool_choice": "auto"}, ["--tool-call-parser"]),
+        ({"tool_choice": "required"}, ["tools"]),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, ["tools"]),
     ]:
         body = {"messages": USER, **extra}
-        assert_error(http.post("/v1/chat/completions", json=body), 400, param, ["tool"])
-    body = {"messages": USER, "tool_choice": "none", "max_tokens": 1}
+        error = assert_error(http.post("/v1/chat/completions", json=body), 400, contains=words)
+        assert error["param"].startswith("tool_choice"), error
+    body = {"messages": USER, "tool_choice": "none", "max_tokens": 1, "tools": [tool]}
     assert http.post("/v1/chat/completions", json=body).status_code == 200
 
 

@@ -77,8 +77,8 @@ RULES = [
     (C, {"prompt": "x", "top_k": INT64}, "top_k", ["less_than_equal"]),
     (C, {"prompt": "x", "priority": 1}, "priority", ["--scheduling-policy priority"]),
     (C, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", ["stream"]),
-    (C, {"prompt": "x", "structured_outputs": {"regex": "[.*"}}, "structured_outputs", ["structured"]),
-    (C, {"prompt": "x", "guided_json": {"type": "object"}}, "guided_json", ["structured"]),
+    (C, {"prompt": "x", "structured_outputs": {"regex": "[.*"}}, "structured_outputs.regex", ["Regex"]),
+    (C, {"prompt": "x", "guided_json": {"type": "bogus"}}, "guided_json", ["bogus"]),
     # context length
     (C, {"prompt": [1] * MAX_MODEL_LEN}, "input_tokens", [f"maximum context length is {MAX_MODEL_LEN}"]),
     (C, {"prompt": "x", "max_tokens": MAX_MODEL_LEN + 1}, "max_tokens", [f"max_tokens={MAX_MODEL_LEN + 1} cannot be greater than max_model_len={MAX_MODEL_LEN}"]),
@@ -112,7 +112,8 @@ RULES = [
     (CHAT, {"messages": MSG, "chat_template_kwargs": {"tools": 5}}, "messages", ["chat template"]),
     (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, "response_format", ["json_schema"]),
     (CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, "body.response_format.type", ["text"]),
-    (CHAT, {"messages": MSG, "tool_choice": "auto"}, "tool_choice", ["tool"]),
+    (CHAT, {"messages": MSG, "tool_choice": "auto"}, "tool_choice", ["tools"]),
+    (CHAT, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", ["--enable-auto-tool-choice"]),
     (CHAT, {"messages": MSG, "logprobs": "maybe"}, "body.logprobs", ["bool"]),
     # /tokenize, /detokenize
     ("/tokenize", {}, "prompt", ["prompt", "messages"]),

@@ -304,3 +304,26 @@ def test_softmax_draw_edges_never_pick_a_token_without_mass(kernels):
     single = torch.full((1, 33), float("-inf"))
     single[0, 32] = 3.0  # the only token sits alone in a tail block
     assert kernels.softmax_draw(single, torch.tensor([0.999999])).tolist() == [32]
+
+
+@pytest.mark.parametrize("vocab", [8192, 320, 47])
+def test_apply_bitmask_masks_exactly_the_cleared_bits_of_the_listed_rows(kernels, vocab):
+    g = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    bits = torch.randint(0, 2, (6, words * 32), generator=g, dtype=torch.int64)
+    bits[1] = 1  # every token allowed
+    bits[2] = 0  # none
+    bits[3, ::2] = 0  # words neither full nor empty
+    weights = torch.ones(32, dtype=torch.int64) << torch.arange(32)
+    bitmask = (bits.view(6, words, 32) * weights).sum(-1).to(torch.int64)
+    bitmask = torch.where(bitmask >= 2**31, bitmask - 2**32, bitmask).to(torch.int32)
+    full = torch.randn(6, vocab + 5, generator=g)
+    logits = full[:, :vocab]  # strided rows, as the step's sampling rows are
+    before, tail = logits.clone(), full[:, vocab:].clone()
+    rows = [0, 1, 2, 3, 5]
+    kernels.apply_bitmask(logits, bitmask, rows)
+    want = before.clone()
+    for r in rows:
+        want[r][bits[r, :vocab] == 0] = float("-inf")
+    assert torch.equal(logits, want)
+    assert torch.equal(full[:, vocab:], tail)  # nothing written past a row's vocabulary

@@ -1,6 +1,6 @@
-"""Structured outputs end to end on a real tiny engine (random weights: the constraint
-alone decides whether the text is well formed), through the integration hooks of
-structured_llm.StructuredLLM."""
+"""Structured outputs on a real tiny engine, in-process through `LLM` (random weights: the
+constraint alone decides whether the text is well formed): grammars compiled off the step,
+masks applied in EngineCore.step, tokens accepted in the scheduler's update."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import pytest
 from engine_oracle import SMALL_KV
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from structured_llm import StructuredLLM
 
+from engine_core.config import GrammarConfig
+from engine_core.llm import LLM
 from protocol.messages import FinishReason, SamplingParams, StructuredOutputs
 
 pytestmark = pytest.mark.timeout(180)
@@ -91,13 +92,12 @@ KINDS = {
 
 @pytest.fixture(scope="module")
 def llm(tiny_model):
-    return StructuredLLM(str(tiny_model("llama")), kv_cache_memory_bytes=SMALL_KV)
+    return LLM(str(tiny_model("llama")), kv_cache_memory_bytes=SMALL_KV)
 
 
 def run(llm, prompts, params):
-    rejected_before = len(llm.rejected)
     results = llm.generate(prompts, params)
-    assert llm.rejected[rejected_before:] == []  # the mask never let a refused token through
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
     return results
 
 
@@ -117,13 +117,12 @@ def test_every_kind_of_constraint_yields_text_that_parses_and_validates(llm, tem
     ]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(kinds))]
     for kind, result in zip(kinds, run(llm, prompts, params)):
-        check(kind, KINDS[kind], text_of(result))
-        assert llm.finished_grammars[result.request_id].is_terminated()
+        check(kind, KINDS[kind], text_of(result))  # ends on EOS: the grammar terminated
 
 
 def test_the_cpu_kernels_draw_never_picks_a_masked_token(tiny_model):
     # bf16 on the native forward: the sampler draws with the kernels' softmax_draw.
-    llm = StructuredLLM(str(tiny_model("llama")), kv_cache_memory_bytes=SMALL_KV, dtype="bfloat16")
+    llm = LLM(str(tiny_model("llama")), kv_cache_memory_bytes=SMALL_KV, dtype="bfloat16")
     assert llm.engine.sampler.kernels is not None
     kinds = ["json", "regex", "choice", "ebnf"]
     params = [
@@ -174,8 +173,8 @@ def test_logprobs_are_those_of_the_masked_distribution(llm):
 
 def test_a_preempted_request_resumes_its_grammar_where_it_stopped(tiny_model):
     # 12 blocks of 16 tokens for 6 requests of up to 3 + 120 tokens: preemption is certain.
-    llm = StructuredLLM(str(tiny_model("llama")), kv_cache_memory_bytes=12 * 8192, max_num_seqs=6)
-    roomy = StructuredLLM(str(tiny_model("llama")), kv_cache_memory_bytes=SMALL_KV)
+    llm = LLM(str(tiny_model("llama")), kv_cache_memory_bytes=12 * 8192, max_num_seqs=6)
+    roomy = LLM(str(tiny_model("llama")), kv_cache_memory_bytes=SMALL_KV)
     spec = StructuredOutputs(json=json.dumps(PERSON), disable_any_whitespace=True)
     prompts = [PROMPTS[i % 3] + [i] for i in range(6)]
     params = [
@@ -190,9 +189,9 @@ def test_a_preempted_request_resumes_its_grammar_where_it_stopped(tiny_model):
 
 
 def test_a_bad_constraint_ends_only_its_own_request_with_a_message_naming_the_field(tiny_model):
-    llm = StructuredLLM(
+    llm = LLM(
         str(tiny_model("llama")),
-        service_options={"max_spec_bytes": 4096},
+        grammar=GrammarConfig(max_spec_bytes=4096),
         kv_cache_memory_bytes=SMALL_KV,
     )
     bad = [
@@ -208,14 +207,13 @@ def test_a_bad_constraint_ends_only_its_own_request_with_a_message_naming_the_fi
     params = [SamplingParams(max_tokens=40, structured_outputs=s) for s, _ in bad] + [good]
     results = run(llm, [PROMPTS[0]] * len(params), params)
     for (_, message), result in zip(bad, results):
-        assert result.finish_reason == FinishReason.ERROR and result.token_ids == []
+        assert result.finish_reason == FinishReason.REFUSED and result.token_ids == []
         assert message in result.error
     check("regex", KINDS["regex"], text_of(results[-1]))
-    assert not llm.engine.has_unfinished_requests() and not llm.grammars
 
 
 def test_requests_sharing_a_constraint_share_one_compile(tiny_model):
-    llm = StructuredLLM(str(tiny_model("llama")), kv_cache_memory_bytes=SMALL_KV)
+    llm = LLM(str(tiny_model("llama")), kv_cache_memory_bytes=SMALL_KV)
     spec = StructuredOutputs(regex=r"[a-z]{2,6}")
     params = [
         SamplingParams(max_tokens=20, temperature=1.0, seed=i, structured_outputs=spec)
@@ -224,7 +222,8 @@ def test_requests_sharing_a_constraint_share_one_compile(tiny_model):
     for result in run(llm, PROMPTS[:2] * 2, params):
         check("regex", spec, text_of(result))
     run(llm, [PROMPTS[2]], params[0])
-    assert llm.service.num_compiled == 1 and llm.service.num_cache_hits >= 1
+    service = llm.engine.grammars.service
+    assert service.num_compiled == 1 and service.num_cache_hits >= 1
 
 
 # Bounded schemas: every string, array and number has a length or range limit, so a
@@ -290,3 +289,93 @@ def test_generated_json_schemas_yield_documents_that_validate(llm, schemas, seed
     results = run(llm, [PROMPTS[i % 3] for i in range(len(params))], params)
     for spec, result in zip([s for s in specs for _ in (0, 1)], results):
         check("json", spec, text_of(result))
+
+
+def test_a_constraint_after_reasoning_leaves_the_reasoning_free_and_binds_the_answer(llm):
+    # The end of "reasoning" is a token the model writes by itself after a few others:
+    # up to it the constrained output equals the free one, after it the grammar rules.
+    for prompt in PROMPTS:
+        greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        (free,) = run(llm, [prompt], greedy)
+        k = next(i for i, t in enumerate(free.token_ids) if i >= 2 and t not in free.token_ids[:i])
+        end = free.token_ids[k]
+        spec = StructuredOutputs(regex=r"[0-9]{3}", reasoning_end_ids=[end])
+        params = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=spec)
+        (result,) = run(llm, [prompt], params)
+        ids = result.token_ids
+        assert result.finish_reason == FinishReason.STOP and ids[-1] == EOS, ids
+        assert ids[: k + 1] == free.token_ids[: k + 1]
+        assert re.fullmatch(r"[0-9]{3}", bytes(ids[k + 1 : -1]).decode()), ids
+
+
+def test_a_multi_token_reasoning_end_in_the_output_starts_the_constraint():
+    from engine_core.grammar_matcher import Constraint
+
+    class Free:
+        def accept(self, token):
+            return token != -1
+
+        def is_terminated(self):
+            return False
+
+    c = Constraint(Free(), [7, 8, 9])
+    for token in (7, 8, 1, 7, 8):
+        assert c.accept(token) and not c.active
+    assert c.accept(9) and c.active
+    assert not c.accept(-1)  # now the grammar decides
+
+
+def test_a_complete_constraint_wins_over_min_tokens(llm):
+    params = SamplingParams(
+        max_tokens=50, min_tokens=40, temperature=1.0, seed=3, structured_outputs=KINDS["choice"]
+    )
+    (result,) = run(llm, [PROMPTS[0]], params)
+    assert text_of(result) in KINDS["choice"].choice
+
+
+def test_a_constraint_the_other_parameters_leave_no_token_for_is_refused(llm):
+    spec = StructuredOutputs(regex="[0-9]+")
+    params = [
+        SamplingParams(max_tokens=10, allowed_token_ids=[ord("a")], structured_outputs=spec),
+        SamplingParams(max_tokens=10, temperature=0.0, structured_outputs=spec),
+    ]
+    bad, good = run(llm, [PROMPTS[0], PROMPTS[1]], params)
+    assert bad.finish_reason == FinishReason.REFUSED and bad.token_ids == []
+    assert bad.error.startswith("structured_outputs:") and "allowed_token_ids" in bad.error
+    assert good.error is None and good.token_ids  # its neighbour ran on
+
+
+def test_a_parked_request_counts_as_waiting_and_an_abort_removes_it(tiny_model):
+    from protocol.messages import EngineCoreRequest, now
+
+    llm = LLM(str(tiny_model("llama")), kv_cache_memory_bytes=SMALL_KV)
+    engine = llm.engine
+    spec = StructuredOutputs(json=json.dumps(PERSON))
+    request = EngineCoreRequest(
+        "parked", PROMPTS[0], SamplingParams(structured_outputs=spec), arrival_time=now()
+    )
+    assert engine.add_request(request) == []
+    assert engine.has_unfinished_requests() and engine.make_stats().num_waiting == 1
+    engine.abort_requests(["parked"])
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert engine.make_stats().num_waiting == 0
+    engine.grammars.service._pool.shutdown(wait=True)  # the compile ran on, unharmed
+    assert engine.step() == {}
+
+
+def test_chunked_prefill_and_prefix_hits_leave_constrained_output_unchanged(tiny_model):
+    model = str(tiny_model("llama"))
+    chunked = LLM(model, kv_cache_memory_bytes=SMALL_KV, max_num_batched_tokens=16)
+    whole = LLM(model, kv_cache_memory_bytes=SMALL_KV, enable_prefix_caching=False)
+    prompt = list(range(40, 120))
+    spec = StructuredOutputs(json=json.dumps(PERSON), disable_any_whitespace=True)
+    params = [
+        SamplingParams(max_tokens=120, temperature=1.0, seed=s, structured_outputs=spec)
+        for s in range(3)
+    ]
+    reference = [r.token_ids for r in run(whole, [prompt] * 3, params)]
+    for _ in range(2):  # the second round hits the prefix cache
+        assert [r.token_ids for r in run(chunked, [prompt] * 3, params)] == reference
+    assert chunked.engine.blocks.prefix_cache_hits > 0
+    for ids in reference:
+        jsonschema.validate(json.loads(bytes(ids[:-1]).decode()), PERSON)

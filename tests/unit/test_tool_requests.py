@@ -33,8 +33,7 @@ from frontend.tool_parsers.request import (
     validate_tool_choice,
     validate_tools,
 )
-from launcher.chat_templates import CHATML_TOOLS
-from launcher.tiny_model import _CHATML
+from launcher.chat_templates import CHATML, CHATML_TOOLS
 
 
 def tool(name, parameters=None, **extra):
@@ -454,15 +453,29 @@ CONVERSATIONS = [
         {"role": "assistant", "content": None},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
     ],
+    [
+        {"role": "user", "content": "héllo ✓ <think>"},
+        {"role": "assistant", "content": "x\n\ny"},
+        {"role": "narrator", "content": ""},
+        {"role": "system", "content": "late"},
+        {"role": "assistant", "content": "Hi"},
+    ],
+    [{"role": "system", "content": "only"}],
 ]
 
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 def test_the_tools_template_renders_plain_chats_exactly_as_chatml(tokenizer, messages):
-    for kw in ({}, {"enable_thinking": False}):
+    for kw in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
         assert render(tokenizer, CHATML_TOOLS, messages, **kw) == render(
-            tokenizer, _CHATML, messages, **kw
+            tokenizer, CHATML, messages, **kw
         )
+    for kw in ({"add_generation_prompt": False}, {"continue_final_message": True}):
+        plain = tokenizer.apply_chat_template(messages, chat_template=CHATML, tokenize=False, **kw)
+        tools = tokenizer.apply_chat_template(
+            messages, chat_template=CHATML_TOOLS, tokenize=False, **kw
+        )
+        assert tools == plain
 
 
 def test_the_tools_template_round_trips_calls_through_the_hermes_parser(tokenizer):

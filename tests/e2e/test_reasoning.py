@@ -1,0 +1,93 @@
+"""Issue 17: reasoning split from the answer (`--reasoning-parser deepseek_r1`), on outputs a
+regex constraint forces into the think-tag layout (the server constrains reasoning too:
+`enable_in_reasoning`). Where a constraint starts after reasoning by default (vLLM's rule)
+is tested on the engine (tests/integration/test_structured_output.py) and in
+tests/unit/test_chat_tools.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from e2e_http import MODEL, SERVED_NAMES, SMALL_KV, http_client, post_stream, sync_client
+from zserve_proc import ZServe
+
+pytestmark = pytest.mark.timeout(240)
+
+CHAT = "/v1/chat/completions"
+USER = [{"role": "user", "content": "Think, then answer."}]
+THINK_THEN_ANSWER = r"[a-z ]{3,12}</think>[0-9]{1,3}"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    flags = (
+        "--reasoning-parser",
+        "deepseek_r1",
+        "--structured-outputs-config",
+        '{"enable_in_reasoning": true, "disable_any_whitespace": true}',
+    )
+    with ZServe(str(tiny_model("llama")), *SERVED_NAMES, *SMALL_KV, *flags) as s:
+        yield s
+        log = s.log()
+    assert "Traceback" not in log, log[-4000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with sync_client(server) as c:
+        yield c
+
+
+def forced(**fields) -> dict:
+    return {"structured_outputs": {"regex": THINK_THEN_ANSWER}, **fields}
+
+
+def test_reasoning_and_answer_are_split_at_the_end_tag(client):
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=40, n=2, seed=seed, extra_body=forced()
+        )
+        for choice in r.choices:
+            message = choice.message
+            assert choice.finish_reason == "stop"
+            assert re.fullmatch(r"[a-z ]{3,12}", message.reasoning), message
+            assert re.fullmatch(r"[0-9]{1,3}", message.content), message
+
+
+def test_streamed_reasoning_and_content_deltas_rebuild_the_split(client, server):
+    for seed in range(3):
+        kwargs = dict(model=MODEL, messages=USER, max_tokens=40, seed=seed, extra_body=forced())
+        full = client.chat.completions.create(**kwargs).choices[0].message
+        with http_client(server) as http:
+            _, sse = post_stream(
+                http, CHAT, {"messages": USER, "max_tokens": 40, "seed": seed, **forced()}
+            )
+        deltas = [e["choices"][0]["delta"] for e in sse.events if e["choices"]]
+        assert all(set(d) <= {"role", "content", "reasoning"} for d in deltas), deltas
+        assert all(len(set(d) - {"role"}) <= 1 for d in deltas)  # one field per delta
+        reasoning = "".join(d.get("reasoning", "") for d in deltas)
+        content = "".join(d.get("content", "") for d in deltas)
+        assert (reasoning, content) == (full.reasoning, full.content)
+        assert "</think>" not in reasoning + content
+
+
+def test_include_reasoning_false_drops_the_reasoning(client):
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        max_tokens=40,
+        seed=1,
+        extra_body=forced(include_reasoning=False),
+    )
+    message = r.choices[0].message
+    assert message.reasoning is None and re.fullmatch(r"[0-9]{1,3}", message.content)
+
+
+def test_an_output_cut_inside_reasoning_is_all_reasoning(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=2, seed=1, extra_body=forced()
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert len(choice.message.reasoning) == 2
