@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -76,7 +77,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         logprobs=body.logprobs,
         echo_logprobs=body.logprobs if body.echo else None,
     )
-    params.structured_outputs = constraint
+    if constraint is not None:
+        params = [msgspec.structs.replace(p, structured_outputs=constraint) for p in params]
     generation = ctx.submit(inputs, prompts, params)
     generation.keep_logprobs = not body.stream and body.logprobs is not None
     # Echo shows a text prompt as written, unless it was cut to its last tokens.

@@ -185,7 +185,7 @@ def test_a_multi_turn_tool_history_renders_through_the_template(tools_http, tiny
 
 
 BAD = [
-    ({"tools": {"f": 1}}, "tools", ["list"]),
+    ({"tools": {"f": 1}}, "body.tools", ["list"]),  # the request model: vLLM's body.<field>
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name", ["twice"]),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name", []),
     ({"tools": [WEATHER] * 129}, "tools", ["128"]),
