@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 from pydantic import ValidationError
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
@@ -22,7 +23,8 @@ from frontend.limits import check_fan_out, check_request_id, check_stop_strings
 from frontend.openai_models import SamplingFields
 from frontend.request_inputs import RequestInputs, validation_error
 from frontend.sampling import check_token_ids, context_length_error, sampling_params, truncation
-from protocol.messages import SamplingParams
+from frontend.structured_outputs import constraint
+from protocol.messages import SamplingParams, StructuredOutputs
 
 if TYPE_CHECKING:
     from frontend.serving import ServingContext
@@ -62,6 +64,9 @@ async def read_generate(ctx: ServingContext, request: pb.GenerateRequest) -> Gen
         max_tokens=_max_tokens(sp),
         logprobs=_logprob_count(ctx, sp, "logprobs"),
     )
+    spec = output_constraint(ctx, sp)
+    if spec is not None:
+        params = msgspec.structs.replace(params, structured_outputs=spec)
     request_id = request.request_id or uuid.uuid4().hex
     return GenerateInputs(
         RequestInputs(body, ctx.model_name, request_id, 0, engine_rank), prompt, params
@@ -85,14 +90,6 @@ def refuse_unsupported(request: pb.GenerateRequest) -> None:
                 f"supported)",
                 param=field,
             )
-    constraint = request.sampling_params.WhichOneof("constraint")
-    if constraint is not None:
-        # HOOK(structured outputs): map the constraint onto the engine's structured-output
-        # parameters here once the engine supports them; until then it is refused.
-        raise APIError(
-            f"sampling_params.{constraint}: structured output is not supported by this server yet",
-            param=f"sampling_params.{constraint}",
-        )
 
 
 def sampling_fields(sp: pb.SamplingParams, prompt_logprobs: int | None = None) -> SamplingFields:
@@ -185,3 +182,28 @@ def _logprob_count(ctx: ServingContext, sp: pb.SamplingParams, field: str) -> in
             )
         return ctx.vocab_size
     return value
+
+
+# The proto's constraint oneof → StructuredOutputs' fields.
+_CONSTRAINTS = {
+    "json_schema": "json",
+    "regex": "regex",
+    "grammar": "grammar",
+    "structural_tag": "structural_tag",
+    "json_object": "json_object",
+    "choice": "choice",
+}
+
+
+def output_constraint(ctx: ServingContext, sp: pb.SamplingParams) -> StructuredOutputs | None:
+    """The request's structured-output constraint (the same limits and compiler as the
+    HTTP path's; a grammar that fails to compile is an INVALID_ARGUMENT naming it)."""
+    kind = sp.WhichOneof("constraint")
+    if kind is None:
+        return None
+    value = getattr(sp, kind)
+    if kind == "choice":
+        value = list(value.choices)
+    return constraint(
+        _CONSTRAINTS[kind], value, f"sampling_params.{kind}", ctx.config.structured_outputs
+    )

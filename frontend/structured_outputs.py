@@ -105,6 +105,16 @@ def check_size(spec: StructuredOutputs, options: StructuredOutputOptions) -> Non
         )
 
 
+def constraint(
+    kind: str, value: Any, param: str, options: StructuredOutputOptions
+) -> StructuredOutputs:
+    """One constraint of `kind` (a StructuredOutputs field: json, regex, choice, grammar,
+    json_object, structural_tag) from `value`, within the limits; for other doors (gRPC)."""
+    spec = _constraint(kind, value, param)
+    check_size(spec, options)
+    return spec
+
+
 def json_schema_constraint(schema: Any, param: str) -> StructuredOutputs:
     """A JSON schema given as an object (or as JSON text) → the `json` constraint."""
     return StructuredOutputs(json=_json_text(schema, param, "a JSON schema"), param=param)

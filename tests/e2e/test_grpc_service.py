@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import re
 import threading
 import zipfile
 from pathlib import Path
@@ -287,6 +288,24 @@ def test_stop_token_ids_and_stop_strings_end_generation(stub, tiny_model):
         assert len(done.output_ids) < 10 and stop in tok.decode(list(done.output_ids))
 
 
+def test_structured_output_constraints_decide_the_text(stub, tiny_model):
+    """The constraint oneof maps onto the engine's structured outputs, as over HTTP."""
+    tok = tokenizers.Tokenizer.from_file(str(Path(tiny_model("llama")) / "tokenizer.json"))
+    choices = ["sunny", "rainy"]
+    for stream in (False, True):
+        for seed in range(3):
+            done = completes(
+                generate(
+                    stub, PROMPT, AUTH, stream=stream, max_tokens=20, temperature=1.0, seed=seed,
+                    choice=pb.ChoiceConstraint(choices=choices), skip_special_tokens=True,
+                )
+            )[0]  # fmt: skip
+            text = tok.decode(list(done.output_ids), skip_special_tokens=True)
+            assert text in choices, text
+    done = completes(generate(stub, PROMPT, AUTH, max_tokens=20, regex="[0-9]{3}"))[0]
+    assert re.fullmatch("[0-9]{3}", tok.decode(list(done.output_ids), skip_special_tokens=True))
+
+
 def test_seeds_repeat_and_n_gives_every_choice(stub):
     params = dict(max_tokens=6, temperature=1.0, seed=7, n=2)
     first = sorted(completes(generate(stub, PROMPT, AUTH, **params)), key=lambda c: c.index)
@@ -366,8 +385,9 @@ BAD = {
     "stop_token": (dict(sampling_params=pb.SamplingParams(stop_token_ids=[4000])), "sampling_params.stop_token_ids"),
     "logit_bias": (dict(sampling_params=pb.SamplingParams(logit_bias={9999: 1.0})), "sampling_params.logit_bias"),
     "min_tokens": (dict(sampling_params=pb.SamplingParams(max_tokens=2, min_tokens=5)), "sampling_params.min_tokens"),
-    "json_schema": (dict(sampling_params=pb.SamplingParams(json_schema="{}")), "sampling_params.json_schema"),
-    "choice": (dict(sampling_params=pb.SamplingParams(choice=pb.ChoiceConstraint(choices=["a"]))), "sampling_params.choice"),
+    "json_schema": (dict(sampling_params=pb.SamplingParams(json_schema="{not json")), "sampling_params.json_schema"),
+    "regex": (dict(sampling_params=pb.SamplingParams(regex="(unclosed")), "sampling_params.regex"),
+    "choice": (dict(sampling_params=pb.SamplingParams(choice=pb.ChoiceConstraint(choices=[]))), "sampling_params.choice"),
     "rank": (dict(data_parallel_rank=7), "data_parallel_rank"),
     "request_id": (dict(request_id="r" * 1000), "request_id"),
     "multimodal": (dict(mm_inputs=pb.MultimodalInputs(mm_hashes=["h"])), "mm_inputs"),
