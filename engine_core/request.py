@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine_core.logits_processors import needs_processing
 from protocol.messages import EngineCoreRequest, FinishReason, Logprobs, SamplingParams
+
+if TYPE_CHECKING:
+    from engine_core.beam_search import BeamGroup
 
 # Temperatures below this are greedy (as in vLLM): dividing by them would overflow.
 GREEDY_EPS = 1e-5
@@ -49,7 +53,11 @@ class Request:
         "prompt_logprobs_parts",
         "prompt_logprobs_done",
         "sampler_state",
+        "beam",
     )
+
+    # A running-list entry of the scheduler is a Request or a beam group (beam_search.py).
+    is_group = False
 
     def __init__(self, request: EngineCoreRequest, eos_ids: frozenset[int]) -> None:
         params = request.sampling_params
@@ -81,6 +89,7 @@ class Request:
         self.prompt_logprobs_parts: list[Logprobs] = []
         self.prompt_logprobs_done = params.prompt_logprobs is None
         self.sampler_state: object | None = None  # owned by the sampler
+        self.beam: BeamGroup | None = None  # the beam search this sequence belongs to
 
     @property
     def num_tokens(self) -> int:
