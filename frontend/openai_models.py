@@ -67,7 +67,10 @@ class SamplingFields(_Model):
     prompt_logprobs: int | None = None
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    use_beam_search: bool = False
+    use_beam_search: bool = False  # n beams, the n best answered (frontend/beam_search.py)
+    length_penalty: float = 1.0  # beam search: score = logprob / length ** length_penalty
+    # Beam search's early stop (vLLM's former and transformers' meanings); unset: "never".
+    early_stopping: bool | Literal["never"] | None = None
     request_id: str | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
@@ -92,10 +95,15 @@ class SamplingFields(_Model):
             return cls.model_fields[info.field_name].default
         return value
 
+    @field_validator("early_stopping", mode="before")
+    @classmethod
+    def _early_stopping(cls, value):
+        if value is None or isinstance(value, bool) or value == "never":
+            return value
+        raise ValueError(f'must be true, false or "never"; got {value!r}')
+
     @model_validator(mode="after")
     def _check_shared(self):
-        if self.use_beam_search:
-            raise ValueError("use_beam_search: beam search is not supported by this server")
         for key in _STRUCTURED_OUTPUT_KEYS:
             if (self.model_extra or {}).get(key) is not None:
                 raise ValueError(f"{key}: structured output is not supported by this server yet")

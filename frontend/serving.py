@@ -8,6 +8,7 @@ import logging
 import os
 
 from frontend.admission import Admission
+from frontend.beam_search import BeamGeneration
 from frontend.config import FrontendConfig
 from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.errors import APIError
@@ -133,7 +134,8 @@ class ServingContext:
         """Admit and send the generation of one request (its prompts × n); every
         submitted generation reaches finish()."""
         body = inputs.body
-        generation = Generation(
+        kind = BeamGeneration if params.beam_width else Generation
+        generation = kind(
             self.client,
             inputs.request_id,
             prompts,

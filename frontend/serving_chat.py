@@ -5,6 +5,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
+from frontend.beam_search import beam_params, check_beam_search
 from frontend.chat_prompt import message_dicts, render_prompt
 from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
@@ -21,6 +22,8 @@ from frontend.usage import usage
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
     inputs = await read_inputs(ctx, request, ChatCompletionRequest)
     body = inputs.body
+    if body.use_beam_search:
+        check_beam_search(body, completions=False)
     check_unsupported(body)
     prompt_ids = await render_prompt(ctx, body)
     params = sampling_params(
@@ -31,6 +34,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         logprobs_field="top_logprobs",
     )
+    if body.use_beam_search:
+        params = beam_params(ctx, body, params, [prompt_ids])
     generation = ctx.submit(inputs, [prompt_ids], params)
     generation.keep_logprobs = not body.stream and body.logprobs
     view = ChatView(ctx, body, generation, f"chatcmpl-{inputs.request_id}", inputs.model)

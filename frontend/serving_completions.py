@@ -5,6 +5,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
+from frontend.beam_search import beam_params, check_beam_search
 from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
 from frontend.logprobs import CompletionLogprobs, prompt_logprobs
@@ -56,6 +57,8 @@ def prompt_texts(body: CompletionRequest) -> list[str | None]:
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
     inputs = await read_inputs(ctx, request, CompletionRequest, num_prompts)
     body = inputs.body
+    if body.use_beam_search:
+        check_beam_search(body, completions=True)
     prompts = await tokenize_prompts(ctx, body)
     # vLLM's echo with max_tokens 0: just the prompt. The engine still samples one
     # token (it computes the prompt logprobs on the way); the view drops it.
@@ -68,6 +71,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         logprobs=body.logprobs,
         echo_logprobs=body.logprobs if body.echo else None,
     )
+    if body.use_beam_search:
+        params = beam_params(ctx, body, params, prompts)
     generation = ctx.submit(inputs, prompts, params)
     generation.keep_logprobs = not body.stream and body.logprobs is not None
     # Echo shows a text prompt as written, unless it was cut to its last tokens.
