@@ -12,6 +12,7 @@ first `stop` string.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,6 +37,7 @@ from protocol.messages import (
 )
 
 if TYPE_CHECKING:
+    from frontend.request_inputs import RequestInputs
     from frontend.serving import ServingContext
 
 # Request fields that constrain the output: a beam search would ignore them (as vLLM's
@@ -73,6 +75,17 @@ def check_beam_search(body: SamplingFields, *, completions: bool) -> None:
     for key in _CONSTRAINT_KEYS:
         if getattr(body, key, None) is not None or extra.get(key) is not None:
             raise APIError(f"{key}: not supported with beam search", param=key)
+
+
+def no_step_search(inputs: RequestInputs) -> RequestInputs:
+    """Completions' echo with max_tokens 0: as in vLLM, a search of no step, whose one
+    beam (the prompt) is the only choice of each prompt. Other requests as they are."""
+    body = inputs.body
+    if body.max_tokens != 0:
+        return inputs
+    return dataclasses.replace(
+        inputs, body=body.model_copy(update={"n": 1, "use_beam_search": False})
+    )
 
 
 def beam_params(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend.beam_search import beam_params, check_beam_search
+from frontend.beam_search import beam_params, check_beam_search, no_step_search
 from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
 from frontend.logprobs import CompletionLogprobs, prompt_logprobs
@@ -59,6 +59,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     body = inputs.body
     if body.use_beam_search:
         check_beam_search(body, completions=True)
+        inputs = no_step_search(inputs)
+        body = inputs.body
     prompts = await tokenize_prompts(ctx, body)
     # vLLM's echo with max_tokens 0: just the prompt. The engine still samples one
     # token (it computes the prompt logprobs on the way); the view drops it.

@@ -49,6 +49,11 @@ def test_one_beam_is_greedy(client):
     assert beam.choices[0].text == greedy.choices[0].text
 
 
+def test_echo_of_no_tokens_is_one_choice_per_prompt_as_in_vllm(client):
+    r = beam_complete(client, 3, prompt=["Once upon", "Far away"], max_tokens=0, echo=True)
+    assert [(c.index, c.text) for c in r.choices] == [(0, "Once upon"), (1, "Far away")]
+
+
 def test_each_prompt_gets_its_n_beams(client):
     r = beam_complete(client, 2, prompt=["Once upon", "Far away"])
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
