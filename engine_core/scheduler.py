@@ -85,7 +85,8 @@ class Scheduler:
         blocks = self.blocks
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.is_group:  # n tokens for each of its beams, or none this step
+            group = request.is_group
+            if group:  # n tokens for each of its beams, or none this step
                 n = request.chunk(budget, self.chunk_cap)
                 cost = n * len(request.beams)
                 if not n:
@@ -95,16 +96,18 @@ class Scheduler:
                 n = cost = min(
                     request.num_tokens - request.num_computed_tokens, budget, self.chunk_cap
                 )
-            while not (
-                request.allocate(blocks, n) if request.is_group else blocks.allocate(request, n)
-            ):
+            while not (request.allocate(blocks, n) if group else blocks.allocate(request, n)):
                 victim = self._pick_victim(i)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             else:
-                self._plan(out, request, n)
+                if group:
+                    for beam in request.beams:
+                        self._plan(out, beam, n)
+                else:
+                    self._plan(out, request, n)
                 budget -= cost
                 i += 1
         # Admitting new work right after evicting old work would only thrash.
@@ -135,10 +138,6 @@ class Scheduler:
         return out
 
     def _plan(self, out: SchedulerOutput, request: Request, n: int) -> None:
-        if request.is_group:
-            for beam in request.beams:
-                self._plan(out, beam, n)
-            return
         out.requests.append(request)
         out.num_tokens.append(n)
         start = request.num_computed_tokens
