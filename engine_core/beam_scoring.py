@@ -65,13 +65,15 @@ def expand(
     logits: torch.Tensor,
     width: int,
     stop_ids: torch.Tensor | None,
+    may_stop: bool,
     eos_ids: frozenset[int],
     num_logprobs: int | None,
 ) -> Step:
     """The next step of a search from fp32 `logits` [len(parents), V], one row per parent.
 
-    `stop_ids`: the tokens that finish a beam now (EOS and stop_token_ids), or None while
-    none may (ignore_eos, min_tokens). Offers of those tokens finish; they never live on.
+    `stop_ids`: the tokens that finish a beam (EOS unless ignore_eos, stop_token_ids), or
+    None. Offers of them never live on: they finish the beam, or while `may_stop` is
+    false (min_tokens) they are dropped, as if the model could not say them.
     """
     logprobs = torch.log_softmax(logits, dim=-1)
     k = min(2 * width, logprobs.shape[1])
@@ -82,7 +84,7 @@ def expand(
     finished: list[Beam] = []
     if stop_ids is not None:
         stops = torch.isin(top_ids[:, :k], stop_ids)
-        for r, j in stops.nonzero().tolist():
+        for r, j in stops.nonzero().tolist() if may_stop else ():
             token = int(top_ids[r, j])
             beam = _child(
                 parents[r], token, float(cands[r, j]), top_lp[r], top_ids[r], j, num_logprobs

@@ -74,7 +74,8 @@ class BeamGroup:
         self.num_logprobs = p.logprobs
         self.prompt_len = root.prompt_len
         self.max_len = min(root.prompt_len + p.max_tokens, max_model_len)
-        self.stop_ids = sorted(root.eos_ids | root.stop_ids)
+        stop_ids = sorted(root.eos_ids | root.stop_ids)
+        self.stop_ids = torch.tensor(stop_ids) if stop_ids else None
         self.live: list[Beam] = []  # best first; empty until the prompt is done
         self.finished: list[Beam] = []  # the `width` best, best first
         self.beams: list[Request] = []  # the live beams' sequences while the group runs
@@ -150,8 +151,15 @@ class BeamGroup:
             index = {id(b.request): i for i, b in enumerate(self.live)}
             order = [index[id(r)] for r in rows]
             parents = [self.live[i] for i in order]
+        may_stop = len(parents[0].tokens) >= self.root.params.min_tokens
         step = expand(
-            parents, logits, self.width, self._stops(parents), self.root.eos_ids, self.num_logprobs
+            parents,
+            logits,
+            self.width,
+            self.stop_ids,
+            may_stop,
+            self.root.eos_ids,
+            self.num_logprobs,
         )
         for beam in step.finished:  # the length leaves out the EOS or stop token
             length = self.prompt_len + len(beam.tokens) - 1
@@ -172,12 +180,6 @@ class BeamGroup:
             self.length_penalty,
             self.rule,
         )
-
-    def _stops(self, parents: list[Beam]) -> torch.Tensor | None:
-        generated = len(parents[0].tokens)
-        if not self.stop_ids or generated < self.root.params.min_tokens:
-            return None
-        return torch.tensor(self.stop_ids, device="cpu")
 
     # --- after a step -----------------------------------------------------------------
 
@@ -231,6 +233,7 @@ class BeamGroup:
                 plan.append((parent.request, kids[r]))
             else:
                 blocks.free(parent.request)
+        self.beams = [parent for parent, _ in plan]  # what a preemption now must free
         return plan
 
     def output(self) -> EngineCoreOutput:

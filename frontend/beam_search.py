@@ -106,8 +106,9 @@ def beam_params(
                 f"cache holds {client.num_kv_blocks}; lower n or max_tokens",
                 param="n",
             )
-    rule = {None: EarlyStopping.EXACT, "never": EarlyStopping.EXACT}.get(body.early_stopping)
-    if rule is None:
+    if body.early_stopping is None or body.early_stopping == "never":
+        rule = EarlyStopping.EXACT  # vLLM's answer (it runs every search to max_tokens)
+    else:
         rule = EarlyStopping.FIRST if body.early_stopping else EarlyStopping.HEURISTIC
     return msgspec.structs.replace(
         params,

@@ -30,6 +30,7 @@ def search(llm: LLM, prompts, params):
 def assert_no_blocks_held(llm: LLM) -> None:
     stats = llm.engine.make_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
+    assert set(llm.engine.blocks.ref_counts) == {0}  # nothing freed twice either
     assert not llm.engine.requests and not llm.engine.scheduler.running
 
 
@@ -135,12 +136,13 @@ def test_beams_share_the_prompt_blocks(llama):
     assert_no_blocks_held(llm)
 
 
-def test_preempted_searches_answer_as_if_never_preempted(llama):
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_preempted_searches_answer_as_if_never_preempted(llama, policy):
     path, _ = llama
     params = beams(3, 20, ignore_eos=True)
     expected = search(LLM(str(path), kv_cache_memory_bytes=SMALL_KV), PROMPTS, params)
     # 12 usable blocks: each search alone fits (6, 7 and 8 blocks at most), all three do not.
-    llm = LLM(str(path), kv_cache_memory_bytes=13 * BLOCK_BYTES)
+    llm = LLM(str(path), kv_cache_memory_bytes=13 * BLOCK_BYTES, scheduling_policy=policy)
     for got, answers in zip(search(llm, PROMPTS, params), expected):
         assert_same_answers(got, answers)
     assert llm.engine.make_stats().num_preemptions > 0

@@ -40,7 +40,7 @@ def test_an_eos_offered_by_any_beam_finishes_it_as_in_vllm():
     vLLM finishes it anyway. The 2 best other offers live on."""
     parents = [Beam([1], 0.0), Beam([2], -1.0)]
     logits = logits_of({1: -0.5, 2: -1.0, 3: -1.5, 4: -2.0}, {EOS: -1.2, 1: -1.3, 2: -3.0, 3: -4.0})
-    step = expand(parents, logits, 2, torch.tensor([EOS]), frozenset([EOS]), None)
+    step = expand(parents, logits, 2, torch.tensor([EOS]), True, frozenset([EOS]), None)
     assert [(r, b.tokens) for r, b in step.live] == [(0, [1, 1]), (0, [1, 2])]
     (done,) = step.finished
     assert done.tokens == [2, EOS] and done.finish_reason == FinishReason.STOP
@@ -50,14 +50,21 @@ def test_an_eos_offered_by_any_beam_finishes_it_as_in_vllm():
 
 def test_without_stop_tokens_an_eos_lives_on():
     parents = [Beam([], 0.0)]
-    step = expand(parents, logits_of({EOS: -0.1, 1: -3.0}), 1, None, frozenset([EOS]), None)
+    step = expand(parents, logits_of({EOS: -0.1, 1: -3.0}), 1, None, True, frozenset([EOS]), None)
     assert [b.tokens for _, b in step.live] == [[EOS]] and not step.finished
+
+
+def test_before_min_tokens_a_stop_token_is_never_chosen():
+    parents = [Beam([], 0.0)]
+    logits = logits_of({EOS: -0.1, 1: -3.0, 2: -4.0})
+    step = expand(parents, logits, 1, torch.tensor([EOS]), False, frozenset([EOS]), None)
+    assert [b.tokens for _, b in step.live] == [[1]] and not step.finished
 
 
 def test_logprob_rows_put_the_chosen_token_first_with_its_rank():
     parents = [Beam([], 0.0, rows=[])]
     logits = logits_of({1: -0.5, 2: -1.0, 3: -1.5})
-    step = expand(parents, logits, 2, None, frozenset(), 2)
+    step = expand(parents, logits, 2, None, True, frozenset(), 2)
     second = step.live[1][1]
     ((ids, lps, rank),) = second.rows
     assert ids == [2, 1, 2] and rank == 2
