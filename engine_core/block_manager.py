@@ -139,6 +139,31 @@ class BlockManager:
                 self.block_hash[block] = block_hash
         request.num_cached_blocks = num_full
 
+    def blocks_to_fork(self, request: Request) -> int:
+        """New blocks a fork of the request needs: one when its last block is partial."""
+        return 1 if request.num_computed_tokens % self.block_size else 0
+
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None:
+        """Give `child` the parent's computed blocks, copy-on-write: full blocks are shared
+        by reference; a partial last block, which both will write next, is the one block
+        copied. Returns that copy as (source, destination) for the runner, or None.
+
+        The caller made sure a free block is there (blocks_to_fork)."""
+        ids = parent.block_ids
+        shared = ids[:-1] if self.blocks_to_fork(parent) else ids[:]
+        ref_counts = self.ref_counts
+        for block in shared:
+            ref_counts[block] += 1
+        child.block_ids = shared
+        child.num_cached_blocks = min(parent.num_cached_blocks, len(shared))
+        if len(shared) == len(ids):
+            return None
+        block, _ = self.free_queue.popitem(last=False)
+        self._evict(block)
+        ref_counts[block] = 1
+        shared.append(block)
+        return ids[-1], block
+
     def free(self, request: Request) -> None:
         """Release the request's blocks; their content stays cached until reused."""
         ref_counts = self.ref_counts

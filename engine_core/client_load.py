@@ -42,6 +42,8 @@ class ClientLoad:
     """Unfinished requests per API server (received - settled) and what each heard."""
 
     def __init__(self, num_clients: int) -> None:
+        # Sequences, not requests: a beam search of width n weighs n (protocol:
+        # EngineCoreRequest.num_sequences), as n separate samples would.
         self.received = [0] * num_clients  # the input thread's
         self.settled = [0] * num_clients  # the busy loop's: finished, aborted or refused
         # The others' requests each server last heard of; the output thread's.
@@ -54,19 +56,20 @@ class ClientLoad:
 
     # --- the input thread -----------------------------------------------------------
 
-    def count_in(self, client_index: int) -> bool:
-        """A request arrived from this API server; False for an index no server has."""
+    def count_in(self, client_index: int, weight: int = 1) -> bool:
+        """A request arrived from this API server (`weight`: the sequences it runs, a
+        beam search's width); False for an index no server has."""
         if 0 <= client_index < len(self.received):
-            self.received[client_index] += 1
+            self.received[client_index] += weight
             return True
         return False
 
     # --- the busy loop --------------------------------------------------------------
 
-    def settle(self, client_index: int) -> None:
-        """A request counted in is done with (any outcome)."""
+    def settle(self, client_index: int, weight: int = 1) -> None:
+        """A request counted in is done with (any outcome), with the weight it came in with."""
         if 0 <= client_index < len(self.settled):
-            self.settled[client_index] += 1
+            self.settled[client_index] += weight
             self._settled_since_publish = True
 
     def by_client(self) -> list[int]:

@@ -8,6 +8,7 @@ from bisect import bisect_left
 
 import torch
 
+from engine_core.beam_search import BeamGroup, check_beam_request
 from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
 from engine_core.grammar_waits import GrammarWaits
@@ -58,6 +59,11 @@ class EngineCore:
         self.max_request_tokens = min(
             self.max_model_len, (self.num_kv_blocks - 1) * self.block_size + 1
         )
+        # Its beams run in one step: at most max_num_seqs sequences and as many tokens,
+        # and each offers 2 x width candidates of the vocabulary.
+        self.max_beam_width = min(
+            config.max_num_seqs, config.max_num_batched_tokens, self.vocab_size // 2
+        )
         self.blocks = BlockManager(
             self.num_kv_blocks, self.block_size, config.enable_prefix_caching
         )
@@ -98,7 +104,11 @@ class EngineCore:
                 raise ValueError(f"request id {request.request_id!r} is already running")
             validate_request(request, self.vocab_size, self.config.max_logprobs)
             self._check_fits(request)
+            if request.sampling_params.beam_width:
+                check_beam_request(request, self.max_beam_width, self.blocks)
             state = Request(request, self.eos_token_ids)
+            if request.sampling_params.beam_width:
+                BeamGroup(state, self.max_model_len, self.eos_token_ids)
             # A constrained request waits for its grammar outside the scheduler.
             schedulable = request.sampling_params.structured_outputs is None or (
                 self.grammars.add(state)
@@ -157,6 +167,7 @@ class EngineCore:
             return refused
         logits = self.runner.execute(plan)
         num_sampling = len(plan.sampling)
+        num_beam_rows = len(plan.beam_rows)
         sample_logits = logits[:num_sampling]
         # Before anything reads the logits: logprobs are those of the masked distribution.
         self.grammars.mask(sample_logits, plan.sampling)
@@ -167,10 +178,14 @@ class EngineCore:
         if wanted:
             self._sampled_logprobs([plan.sampling[i] for i in wanted], raw, tokens[wanted])
         if plan.prompt_logprob_rows:
-            self._prompt_logprobs(plan, logits[num_sampling:])
+            self._prompt_logprobs(plan, logits[num_sampling + num_beam_rows :])
         self._count_tokens(plan)
         sampled = self.scheduler.update(plan, tokens.tolist())
         outputs = self._outputs(sampled)
+        if num_beam_rows:
+            self._beam_step(
+                plan.beam_rows, logits[num_sampling : num_sampling + num_beam_rows], outputs
+            )
         for client_index, outs in refused.items():
             outputs.setdefault(client_index, []).extend(outs)
         self.num_steps += 1
@@ -220,11 +235,37 @@ class EngineCore:
             if prompt_left > 0:
                 prompt_now += min(n, prompt_left)
         self.prompt_tokens_computed += prompt_now
-        self.generation_tokens += len(plan.sampling)
+        generated = len(plan.sampling) + len(plan.beam_rows)
+        self.generation_tokens += generated
         # vLLM's meaning of "iteration tokens": prompt tokens computed plus tokens generated.
-        step_tokens = prompt_now + len(plan.sampling)
+        step_tokens = prompt_now + generated
         self.iteration_tokens_sum += step_tokens
         self.iteration_tokens_counts[bisect_left(ITERATION_TOKEN_BUCKETS, step_tokens)] += 1
+
+    def _beam_step(
+        self,
+        rows: list[Request],
+        logits: torch.Tensor,
+        outputs: dict[int, list[EngineCoreOutput]],
+    ) -> None:
+        """Each beam search with rows this step picks its next beams; one that is over
+        answers. Then the others give their beams sequences, copy-on-write."""
+        by_group: dict[BeamGroup, list[int]] = {}
+        for i, request in enumerate(rows):
+            by_group.setdefault(request.beam, []).append(i)
+        going_on = []
+        for group, index in by_group.items():
+            if group.advance([rows[i] for i in index], logits[index]):
+                self.scheduler.finish_group(group)
+                del self.requests[group.request_id]
+                outputs.setdefault(group.root.client_index, []).append(group.output())
+            else:
+                going_on.append(group)
+        # After every selection: making room for one group's forks may preempt another.
+        for group in going_on:
+            copies = group.materialize(self.blocks, self.scheduler)
+            if copies:  # now, before another group's fork can reuse a block freed since
+                self.runner.copy_blocks(copies)
 
     def _outputs(self, sampled: list[Request]) -> dict[int, list[EngineCoreOutput]]:
         # Hot path: one small Struct per request per step.
@@ -264,7 +305,7 @@ class EngineCore:
     def make_stats(self) -> SchedulerStats:
         blocks = self.blocks
         return SchedulerStats(
-            num_running=len(self.scheduler.running),
+            num_running=self.scheduler.num_running_seqs,
             num_waiting=len(self.scheduler.waiting) + len(self.grammars),
             kv_cache_usage=blocks.usage,
             num_total_blocks=blocks.num_usable_blocks,

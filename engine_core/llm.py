@@ -9,6 +9,7 @@ from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
 from engine_core.logprobs import concat_logprobs
 from protocol.messages import (
+    BeamSequence,
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
@@ -31,6 +32,7 @@ class GenerationResult:
     prompt_logprobs: Logprobs | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    beams: list[BeamSequence] | None = None  # a beam search's n best sequences, best first
 
 
 class LLM:
@@ -89,3 +91,4 @@ class LLM:
             result.finish_reason = output.finish_reason
             result.stop_reason = output.stop_reason
             result.error = output.error
+            result.beams = output.beams

@@ -113,9 +113,22 @@ class ModelRunner:
             v[blocks] = 0
 
     @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (source, destination) in every layer: a forked beam's own
+        copy of the partial block it shares with its parent (block_manager.fork). Runs
+        before the next step's forward, which writes into both."""
+        dev = self.device
+        src = torch.tensor([s for s, _ in pairs], device=dev)
+        dst = torch.tensor([d for _, d in pairs], device=dev)
+        for k, v in self.cache.layers:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Logits [rows, V] fp32: one row per `out.sampling` request, then the
-        prompt-logprob rows of `out.prompt_logprob_rows` in order."""
+        """Logits [rows, V] fp32: one row per `out.sampling` request, one per
+        `out.beam_rows` sequence, then the prompt-logprob rows of
+        `out.prompt_logprob_rows` in order."""
         input_ids, positions, meta, logits_indices = self.prepare(out)
         return self.backend.forward(input_ids, positions, meta, logits_indices)
 
@@ -144,6 +157,10 @@ class ModelRunner:
                 pos.extend(range(start, start + n))
 
         rows = [row_of[id(r)] + r.num_tokens - 1 - r.num_computed_tokens for r in out.sampling]
+        if out.beam_rows:
+            rows += [
+                row_of[id(r)] + r.num_tokens - 1 - r.num_computed_tokens for r in out.beam_rows
+            ]
         for request, first, end in out.prompt_logprob_rows:
             base = row_of[id(request)] - request.num_computed_tokens
             rows.extend(range(base + first, base + end))

@@ -79,6 +79,7 @@ class EngineCoreProc:
         self.ready: EngineReady | None = None
         self.stats = SchedulerStats()
         self.owners: dict[str, int] = {}  # request id -> client index, for _CLIENT_GONE
+        self.weights: dict[str, int] = {}  # request id -> sequences, where more than one
         self.client_load = ClientLoad(0)  # sized for the API servers by connect()
         self.controls = None  # EngineControls, once the model is loaded
         self._release_due, self._released_at = False, 0.0
@@ -171,6 +172,7 @@ class EngineCoreProc:
             pad_token_id=e.pad_token_id,
             incarnation=self.cfg.incarnation,
             node_id=self.cfg.node_id,
+            max_beam_width=e.max_beam_width,
         )
 
     def announce(self) -> None:
@@ -207,7 +209,9 @@ class EngineCoreProc:
                     except codec.DecodeError as e:
                         log.warning("engine %d: dropped an undecodable request: %s", self.rank, e)
                         continue
-                    if kind is RequestType.ADD and self.client_load.count_in(payload.client_index):
+                    if kind is RequestType.ADD and self.client_load.count_in(
+                        payload.client_index, payload.num_sequences
+                    ):
                         added = True
                     self.input_queue.put((kind, payload))
                 if added:
@@ -294,10 +298,12 @@ class EngineCoreProc:
             req: EngineCoreRequest = payload
             errors = self.controls.refusal(req) or engine.add_request(req)
             if errors:
-                self.client_load.settle(req.client_index)
+                self.client_load.settle(req.client_index, req.num_sequences)
                 self.queue_outputs_for(req.client_index, errors)
             else:
                 self.owners[req.request_id] = req.client_index
+                if req.num_sequences > 1:
+                    self.weights[req.request_id] = req.num_sequences
         elif kind is RequestType.ABORT:
             engine.abort_requests(payload)
             for rid in payload:
@@ -323,7 +329,8 @@ class EngineCoreProc:
     def _forget(self, request_id: str) -> None:
         owner = self.owners.pop(request_id, None)
         if owner is not None:
-            self.client_load.settle(owner)
+            weight = self.weights.pop(request_id, 1) if self.weights else 1
+            self.client_load.settle(owner, weight)
 
     def _make_stats(self) -> SchedulerStats:
         stats = self.engine.make_stats()

@@ -12,6 +12,7 @@ from protocol.messages import EngineCoreRequest, FinishReason, Logprobs, Samplin
 
 if TYPE_CHECKING:
     from engine_core.grammar_matcher import Constraint
+    from engine_core.beam_search import BeamGroup
 
 # Temperatures below this are greedy (as in vLLM): dividing by them would overflow.
 GREEDY_EPS = 1e-5
@@ -56,7 +57,11 @@ class Request:
         "num_preemptions",
         "constraint",
         "error",
+        "beam",
     )
+
+    # A running-list entry of the scheduler is a Request or a beam group (beam_search.py).
+    is_group = False
 
     def __init__(self, request: EngineCoreRequest, eos_ids: frozenset[int]) -> None:
         params = request.sampling_params
@@ -97,6 +102,7 @@ class Request:
         """The constraint has started and its text is whole (only EOS may follow)."""
         c = self.constraint
         return c is not None and c.active and c.grammar.is_completed()
+        self.beam: BeamGroup | None = None  # the beam search this sequence belongs to
 
     @property
     def num_tokens(self) -> int:

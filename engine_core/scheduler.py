@@ -27,6 +27,9 @@ class SchedulerOutput:
     sampling: list[Request] = field(default_factory=list)
     # (request, first, end): rows at positions first..end-1 give prompt logprobs.
     prompt_logprob_rows: list[tuple[Request, int, int]] = field(default_factory=list)
+    # Beam-search sequences whose chunk reaches their last token: their group picks the
+    # next tokens from these rows (beam_search.py), instead of the sampler.
+    beam_rows: list[Request] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -55,7 +58,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.chunk_cap = long_prefill_token_threshold or max_num_batched_tokens
         self.waiting = make_policy(policy)
-        self.running: list[Request] = []
+        # Requests, and beam searches past their prompt (beam_search.BeamGroup: one entry
+        # for all its beams, scheduled together).
+        self.running: list = []
+        self.num_beams_extra = 0  # running beams beyond one per beam search
         self.running_per_group: Counter = Counter()  # running requests per Request.group_key
         self.num_preemptions = 0
 
@@ -65,31 +71,51 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
 
+    @property
+    def num_running_seqs(self) -> int:
+        """Running sequences: a beam search counts its width."""
+        return len(self.running) + self.num_beams_extra
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self._share_slots()
         preempted = False
         i = 0
+        blocks = self.blocks
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget, self.chunk_cap)
-            while not self.blocks.allocate(request, n):
+            group = request.is_group
+            if group:  # n tokens for each of its beams, or none this step
+                n = request.chunk(budget, self.chunk_cap)
+                cost = n * len(request.beams)
+                if not n:
+                    i += 1
+                    continue
+            else:
+                n = cost = min(
+                    request.num_tokens - request.num_computed_tokens, budget, self.chunk_cap
+                )
+            while not (request.allocate(blocks, n) if group else blocks.allocate(request, n)):
                 victim = self._pick_victim(i)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             else:
-                self._plan(out, request, n)
-                budget -= n
+                if group:
+                    for beam in request.beams:
+                        self._plan(out, beam, n)
+                else:
+                    self._plan(out, request, n)
+                budget -= cost
                 i += 1
         # Admitting new work right after evicting old work would only thrash.
         while (
             not preempted
             and len(self.waiting) > 0
             and budget > 0
-            and len(self.running) < self.max_num_seqs
+            and self.num_running_seqs < self.max_num_seqs
         ):
             request = self.waiting.peek()
             # Prompt logprobs need logits at every prompt position: no cache hits then.
@@ -117,7 +143,7 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + n
         if end == request.num_tokens:
-            out.sampling.append(request)
+            (out.sampling if request.beam is None else out.beam_rows).append(request)
         if not request.prompt_logprobs_done and start < request.prompt_len - 1:
             out.prompt_logprob_rows.append((request, start, min(end, request.prompt_len - 1)))
 
@@ -134,7 +160,7 @@ class Scheduler:
         if not len(self.waiting):
             return
         newcomer = self.waiting.promote_newcomer(self.running_per_group)
-        if newcomer is None or len(self.running) < self.max_num_seqs:
+        if newcomer is None or self.num_running_seqs < self.max_num_seqs:
             return
         group, count = self.running_per_group.most_common(1)[0]
         if count < 2:
@@ -144,6 +170,8 @@ class Scheduler:
 
     def _preempt(self, request: Request, behind_head: bool = False) -> None:
         self._stop_running(request)
+        if request.is_group:  # every beam gives its blocks back; the prompt waits again
+            request = request.collapse()
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         if not request.prompt_logprobs_done:
@@ -162,7 +190,11 @@ class Scheduler:
 
     def _stop_running(self, request: Request) -> None:
         self.running.remove(request)
-        self.blocks.free(request)
+        if request.is_group:
+            request.free(self.blocks)
+            self.num_beams_extra -= request.width - 1
+        else:
+            self.blocks.free(request)
         left = self.running_per_group[request.group_key] - 1
         if left:
             self.running_per_group[request.group_key] = left
@@ -238,8 +270,38 @@ class Scheduler:
     def finish_aborted(self, request: Request) -> None:
         """Drop a request wherever it is and free its blocks."""
         if request.status == RequestStatus.RUNNING:
-            self._stop_running(request)
+            self._stop_running(self._entry(request))
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = FinishReason.ABORT
+
+    # --- beam searches (beam_search.py) ----------------------------------------------------
+
+    @staticmethod
+    def _entry(request: Request):
+        """The running-list entry of a running request: itself, or its beam search."""
+        group = request.beam
+        return group if group is not None and group.expanded else request
+
+    def expand(self, root: Request, group) -> None:
+        """A beam search's prompt is done: its beams run in the root's place."""
+        self.running[self.running.index(root)] = group
+        self.num_beams_extra += group.width - 1
+
+    def finish_group(self, group) -> None:
+        """A beam search is over: free every block of it."""
+        self._stop_running(self._entry(group.root))
+        group.root.status = RequestStatus.FINISHED
+
+    def make_room(self, num_blocks: int, entry) -> bool:
+        """Preempt running entries, the policy's victims first, until `num_blocks` blocks
+        are free; False if `entry` (a beam search, or its root) had to give way itself."""
+        while self.blocks.num_free_blocks < num_blocks:
+            if not self.running:
+                return False
+            victim = self.waiting.pick_victim(self.running)
+            self._preempt(victim)
+            if victim is entry:
+                return False
+        return True

@@ -55,7 +55,7 @@ class EngineState:
     identity: bytes
     ready: EngineReady | None = None
     stats: SchedulerStats = field(default_factory=SchedulerStats)
-    in_flight: int = 0  # this API server's requests on this engine
+    in_flight: int = 0  # this API server's sequences on this engine (a beam search: n)
     alive: bool = True
     dead_reason: str = ""
     last_seen: float = 0.0
@@ -65,13 +65,18 @@ class EngineState:
 class RequestStream:
     """Outputs of one engine request, in order, for the coroutine that serves it."""
 
-    __slots__ = ("request_id", "engine", "items", "event", "finished", "error")
+    __slots__ = ("request_id", "engine", "items", "event", "finished", "error", "weight")
 
     def __init__(
-        self, request_id: str, engine: EngineState, event: asyncio.Event | None = None
+        self,
+        request_id: str,
+        engine: EngineState,
+        event: asyncio.Event | None = None,
+        weight: int = 1,
     ) -> None:
         self.request_id = request_id
         self.engine = engine
+        self.weight = weight  # its share of engine.in_flight: the sequences it runs
         self.items: list[EngineCoreOutput] = []
         # Sibling streams of one API call (n > 1, several prompts) share one event.
         self.event = event or asyncio.Event()
@@ -220,6 +225,20 @@ class EngineClient:
         return min(e.ready.max_request_tokens for e in self.engines if e.ready)
 
     @property
+    def max_beam_width(self) -> int:
+        """The widest beam search every engine runs (0: one does not say)."""
+        return min(e.ready.max_beam_width for e in self.engines if e.ready)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """The smallest engine's usable KV blocks (block 0 is never handed out)."""
+        return min(e.ready.num_kv_blocks for e in self.engines if e.ready) - 1
+
+    @property
+    def block_size(self) -> int:
+        return min(e.ready.block_size for e in self.engines if e.ready)
+
+    @property
     def vocab_size(self) -> int:
         return min(e.ready.vocab_size for e in self.engines if e.ready)
 
@@ -271,9 +290,9 @@ class EngineClient:
     ) -> RequestStream:
         if self.dead or not engine.alive:
             raise EngineDeadError(f"engine {engine.rank} is dead: {engine.dead_reason}")
-        stream = RequestStream(request.request_id, engine, event)
+        stream = RequestStream(request.request_id, engine, event, request.num_sequences)
         self.requests[request.request_id] = stream
-        engine.in_flight += 1
+        engine.in_flight += stream.weight
         request.client_index = self.client_index
         self._send(engine, RequestType.ADD, request)
         return stream
@@ -286,7 +305,7 @@ class EngineClient:
             if stream is None:
                 continue
             stream.finished = True
-            stream.engine.in_flight -= 1
+            stream.engine.in_flight -= stream.weight
             by_engine.setdefault(stream.engine.rank, []).append(rid)
         for rank, ids in by_engine.items():
             engine = self.engines[rank]
@@ -348,7 +367,7 @@ class EngineClient:
                 if out.finish_reason is not None:
                     del requests[out.request_id]
                     stream.finished = True
-                    engine.in_flight -= 1
+                    engine.in_flight -= stream.weight
             if outs.utility_result is not None:
                 waiter = self._utility_waiters.get(outs.utility_result.call_id)
                 if waiter is not None and not waiter.done():

@@ -58,7 +58,10 @@ class SamplingFields(_Model):
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None  # None: left, as in vLLM
-    use_beam_search: bool = False
+    use_beam_search: bool = False  # n beams, the n best answered (frontend/beam_search.py)
+    length_penalty: float = 1.0  # beam search: score = logprob / length ** length_penalty
+    # Beam search's early stop (vLLM's former and transformers' meanings); unset: "never".
+    early_stopping: bool | Literal["never"] | None = None
     request_id: str | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool | None = None  # None: --return-tokens-as-token-ids
@@ -85,6 +88,13 @@ class SamplingFields(_Model):
             return cls.model_fields[info.field_name].default
         return value
 
+    @field_validator("early_stopping", mode="before")
+    @classmethod
+    def _early_stopping(cls, value):
+        if value is None or isinstance(value, bool) or value == "never":
+            return value
+        raise ValueError(f'must be true, false or "never"; got {value!r}')
+
     @model_validator(mode="before")
     @classmethod
     def _logprob_counts_are_numbers(cls, data):
@@ -100,8 +110,6 @@ class SamplingFields(_Model):
 
     @model_validator(mode="after")
     def _check_shared(self):
-        if self.use_beam_search:
-            raise ValueError("use_beam_search: beam search is not supported by this server")
         opts = self.stream_options
         if opts is not None and not self.stream and (opts.model_fields_set or opts.model_extra):
             raise ValueError("stream_options: only allowed when stream is true")

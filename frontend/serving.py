@@ -9,6 +9,7 @@ import os
 import time
 
 from frontend.admission import Admission, AdmissionRejected
+from frontend.beam_search import BeamGeneration
 from frontend.chat_tools import load_chat_parsers
 from frontend.config import FrontendConfig
 from frontend.engine_client import EngineAsleepError, EngineClient, EngineDeadError
@@ -164,7 +165,8 @@ class ServingContext:
         """Admit and send the generation of one request (its prompts × n, `params` one
         per prompt); every submitted generation reaches finish()."""
         body = inputs.body
-        generation = Generation(
+        kind = BeamGeneration if params.beam_width else Generation
+        generation = kind(
             self.client,
             inputs.request_id,
             prompts,

@@ -8,6 +8,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from frontend.beam_search import beam_params, check_beam_search
 from frontend.chat_output import ChatOutputParser, ChatOutputStream
 from frontend.chat_prompt import message_dicts, render_prompt
 from frontend.chat_tools import chat_tools, forced_constraint, output_parser, reasoning_end_ids
@@ -30,6 +31,8 @@ from protocol.messages import StructuredOutputs
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
     inputs = await read_inputs(ctx, request, ChatCompletionRequest)
     body = inputs.body
+    if body.use_beam_search:
+        check_beam_search(body, completions=False)
     parsers = ctx.chat_parsers
     tools = chat_tools(parsers, body)
     constraint = request_constraint(body, ctx.config.structured_outputs)
@@ -107,6 +110,8 @@ def _submit(
     )
     if constraint is not None:
         params = [msgspec.structs.replace(p, structured_outputs=constraint) for p in params]
+    if body.use_beam_search:
+        params = beam_params(ctx, body, params, prompts)
     generation = ctx.submit(inputs, prompts, params)
     generation.keep_logprobs = not body.stream and body.logprobs
     return generation

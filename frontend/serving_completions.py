@@ -6,6 +6,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from frontend.beam_search import beam_params, check_beam_search, no_step_search
 from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
 from frontend.logprobs import CompletionLogprobs, prompt_logprobs
@@ -64,6 +65,10 @@ def prompt_texts(body: CompletionRequest) -> list[str | None]:
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
     inputs = await read_inputs(ctx, request, CompletionRequest, num_prompts)
     body = inputs.body
+    if body.use_beam_search:
+        check_beam_search(body, completions=True)
+        inputs = no_step_search(inputs)
+        body = inputs.body
     constraint = request_constraint(body, ctx.config.structured_outputs)
     prompts = await tokenize_prompts(ctx, body)
     # vLLM's echo with max_tokens 0: just the prompt. The engine still samples one
@@ -77,6 +82,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         logprobs=body.logprobs,
         echo_logprobs=body.logprobs if body.echo else None,
     )
+    if body.use_beam_search:
+        params = beam_params(ctx, body, params, prompts)
     if constraint is not None:
         params = [msgspec.structs.replace(p, structured_outputs=constraint) for p in params]
     generation = ctx.submit(inputs, prompts, params)

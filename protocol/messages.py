@@ -44,6 +44,16 @@ class FinishReason(enum.IntEnum):
         return ("stop", "length", "abort", "error", "error", "error")[self]
 
 
+class EarlyStopping(enum.IntEnum):
+    """When a beam search may end before max_tokens (`early_stopping`, as in vLLM's
+    earlier engine and transformers). Whatever the rule, the answer is the `n` best of
+    the finished beams (and, at max_tokens, of the live ones)."""
+
+    EXACT = 0  # not given: only once no live beam can still beat the n finished ones
+    HEURISTIC = 1  # false: once the best live beam, as it is now, does not beat them
+    FIRST = 2  # true: as soon as n beams have finished
+
+
 # temperature's range, 0 (greedy) to this: both sides check it (the frontend's 400, the
 # engine's own refusal).
 MAX_TEMPERATURE = 100.0
@@ -137,6 +147,11 @@ class SamplingParams(_Wire):
     structured_outputs: StructuredOutputs | None = None
     # Logprobs of exactly these tokens (after the sampled one) instead of the top-n.
     logprob_token_ids: list[int] | None = None
+    # Beam search (engine_core/beam_search.py): 0 = off; else the beam width (the
+    # request's `n`), and the score's length penalty and the early-stopping rule.
+    beam_width: int = 0
+    length_penalty: float = 1.0
+    early_stopping: EarlyStopping = EarlyStopping.EXACT
 
 
 class EngineCoreRequest(_Wire):
@@ -152,6 +167,12 @@ class EngineCoreRequest(_Wire):
     # The sequences of one API request (n > 1, several prompts) share a nonzero group,
     # numbered by their API server (client_index): the engine takes turns between groups.
     group: int = 0
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences this request runs at once (a beam search: its width): its weight in
+        the load each API server balances by."""
+        return max(1, self.sampling_params.beam_width)
 
 
 class Logprobs(_Wire):
@@ -210,8 +231,40 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 REQUEST_PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)  # vLLM's
 
 
+def max_beam_width_message(width: int, max_width: int) -> str:
+    return (
+        f"beam search with n={width} runs {width} sequences in each step; this server runs "
+        f"at most {max_width} (the least of --max-num-seqs, --max-num-batched-tokens and "
+        f"half the vocabulary); lower n"
+    )
+
+
+def beam_search_kv_blocks(prompt_len: int, max_tokens: int, width: int, block_size: int) -> int:
+    """KV blocks a beam search may hold at once, at worst: its beams share only the
+    prompt's full blocks; each has its own copy of the prompt's partial block and its own
+    tokens (the last sampled token needs no KV). Both sides refuse a search that cannot
+    fit the cache alone, so one always can run to its end."""
+    own_tokens = prompt_len % block_size + max_tokens - 1
+    return prompt_len // block_size + width * -(-own_tokens // block_size)
+
+
+class BeamSequence(_Wire):
+    """One of the n best sequences of a finished beam search, best first.
+
+    `token_ids` end with the EOS or stop token when one finished it; `logprobs` (when
+    asked for) has one row per token."""
+
+    token_ids: list[int]
+    cumulative_logprob: float
+    finish_reason: FinishReason
+    stop_reason: int | None = None
+    logprobs: Logprobs | None = None
+
+
 class EngineCoreOutput(_Wire):
-    """New tokens of one request since the previous output of that request."""
+    """New tokens of one request since the previous output of that request.
+
+    A beam search has one output, at its end: no new tokens, its sequences in `beams`."""
 
     request_id: str
     new_token_ids: list[int]
@@ -222,6 +275,7 @@ class EngineCoreOutput(_Wire):
     num_cached_tokens: int = 0
     error: str | None = None
     queue_time_s: float = 0.0  # on a request's first output: seconds it waited to be scheduled
+    beams: list[BeamSequence] | None = None
 
     @property
     def finished(self) -> bool:
@@ -286,6 +340,8 @@ class EngineReady(_Wire):
     # an API server takes a higher one as the rank re-joining after a death.
     incarnation: int = 0
     node_id: str = ""  # the Ray node the engine runs on (--data-parallel-backend ray)
+    # The widest beam search it runs (its sequences in one step; 0: unknown).
+    max_beam_width: int = 0
 
 
 # First frame of [ENGINE_CORE_DEAD, rank] an engine sends every API server when it dies

@@ -30,7 +30,10 @@ RULES = [
     (C, {"prompt": [1, "a"]}, "body.prompt", ["string", "token"]),
     (C, {"prompt": "x", "suffix": "y"}, "suffix", ["suffix"]),
     (C, {"prompt": "x", "best_of": 2}, "best_of", ["best_of"]),
-    (C, {"prompt": "x", "echo": True, "prompt_embeds": None, "use_beam_search": True}, "use_beam_search", ["beam"]),
+    (C, {"prompt": "x", "echo": True, "logprobs": 1, "use_beam_search": True}, "echo", ["beam search", "prompt logprobs"]),
+    (C, {"prompt": "x", "stream": True, "use_beam_search": True}, "stream", ["Streaming is not currently supported with beam search"]),
+    (C, {"prompt": "x", "use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping", ["never"]),
+    (C, {"prompt": "x", "use_beam_search": True, "n": 300}, "n", ["--max-num-seqs", "300"]),
     # logprobs
     (C, {"prompt": "x", "logprobs": -1}, "logprobs", ["-1", "whole vocabulary", "--max-logprobs 20"]),
     (C, {"prompt": "x", "logprobs": -2}, "logprobs", ["`logprobs` must be a positive value or -1."]),

@@ -146,3 +146,33 @@ def test_disabled_prefix_caching_never_hits():
 def test_too_small_pool_is_refused():
     with pytest.raises(ValueError, match="at least 2 blocks"):
         BlockManager(num_blocks=1, block_size=16, enable_prefix_caching=True)
+
+
+def test_a_fork_shares_full_blocks_and_copies_the_partial_one():
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=True)
+    parent = make_request(list(range(10)))  # 2 full blocks, 2 tokens in a third
+    admit(bm, parent)
+    child = make_request([], "child")
+    assert bm.blocks_to_fork(parent) == 1
+    source, copy = bm.fork(parent, child)
+    assert child.block_ids[:2] == parent.block_ids[:2]
+    assert (source, copy) == (parent.block_ids[2], child.block_ids[2])
+    assert [bm.ref_counts[b] for b in parent.block_ids] == [2, 2, 1]
+    assert bm.ref_counts[copy] == 1 and child.num_cached_blocks == 2
+    bm.free(parent)
+    assert [bm.ref_counts[b] for b in child.block_ids] == [1, 1, 1]
+    bm.free(child)
+    assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_a_fork_at_a_block_boundary_copies_nothing():
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    parent = make_request(list(range(8)))
+    admit(bm, parent)
+    child = make_request([], "child")
+    assert bm.blocks_to_fork(parent) == 0
+    assert bm.fork(parent, child) is None
+    assert child.block_ids == parent.block_ids
+    bm.free(child)
+    bm.free(parent)
+    assert bm.num_free_blocks == bm.num_usable_blocks

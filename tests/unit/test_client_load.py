@@ -15,6 +15,15 @@ def test_unfinished_requests_per_server_are_received_less_settled():
     assert load.by_client() == [1, 1]
 
 
+def test_a_beam_search_weighs_its_width_until_it_settles():
+    load = ClientLoad(2)
+    load.count_in(0, 4)  # n=4 beams: as much work as four samples
+    load.count_in(1)
+    assert load.by_client() == [4, 1]
+    load.settle(0, 4)
+    assert load.by_client() == [0, 1]
+
+
 def test_a_settled_request_is_published_once():
     load = ClientLoad(1)
     load.count_in(0)
