@@ -11,8 +11,8 @@ from engine_core.logits_processors import needs_processing
 from protocol.messages import EngineCoreRequest, FinishReason, Logprobs, SamplingParams
 
 if TYPE_CHECKING:
-    from engine_core.grammar_matcher import Constraint
     from engine_core.beam_search import BeamGroup
+    from engine_core.grammar_matcher import Constraint
 
 # Temperatures below this are greedy (as in vLLM): dividing by them would overflow.
 GREEDY_EPS = 1e-5
@@ -97,12 +97,12 @@ class Request:
         # Structured outputs (grammar_matcher.Constraint), set once its grammar is ready.
         self.constraint: Constraint | None = None
         self.error: str | None = None  # why a REFUSED or ERROR finish happened
+        self.beam: BeamGroup | None = None  # the beam search this sequence belongs to
 
     def constraint_complete(self) -> bool:
         """The constraint has started and its text is whole (only EOS may follow)."""
         c = self.constraint
         return c is not None and c.active and c.grammar.is_completed()
-        self.beam: BeamGroup | None = None  # the beam search this sequence belongs to
 
     @property
     def num_tokens(self) -> int:

@@ -89,34 +89,41 @@ def no_step_search(inputs: RequestInputs) -> RequestInputs:
 
 
 def beam_params(
-    ctx: ServingContext, body: SamplingFields, params: SamplingParams, prompts: list[list[int]]
-) -> SamplingParams:
-    """The engine's parameters of a beam search of width `n`, once it fits the engines:
-    its beams run in one step, and its blocks fit the KV cache at worst."""
+    ctx: ServingContext,
+    body: SamplingFields,
+    params: list[SamplingParams],
+    prompts: list[list[int]],
+) -> list[SamplingParams]:
+    """The engine's parameters of a beam search of width `n` (one per prompt), once it
+    fits the engines: its beams run in one step, and its blocks fit the KV cache at worst."""
     client = ctx.client
     width = body.n
     if client.max_beam_width and width > client.max_beam_width:
         raise APIError(max_beam_width_message(width, client.max_beam_width), param="n")
-    for prompt in prompts:
-        needed = beam_search_kv_blocks(len(prompt), params.max_tokens, width, client.block_size)
-        if needed > client.num_kv_blocks:
-            raise APIError(
-                f"beam search with n={width} and max_tokens {params.max_tokens} over "
-                f"{len(prompt)} prompt tokens may need {needed} KV blocks, but this server's "
-                f"cache holds {client.num_kv_blocks}; lower n or max_tokens",
-                param="n",
-            )
     if body.early_stopping is None or body.early_stopping == "never":
         rule = EarlyStopping.EXACT  # vLLM's answer (it runs every search to max_tokens)
     else:
         rule = EarlyStopping.FIRST if body.early_stopping else EarlyStopping.HEURISTIC
-    return msgspec.structs.replace(
-        params,
-        beam_width=body.n,
-        length_penalty=float(body.length_penalty),
-        early_stopping=rule,
-        prompt_logprobs=None,  # as vLLM: a beam search computes none
-    )
+    searches = []
+    for prompt, p in zip(prompts, params):
+        needed = beam_search_kv_blocks(len(prompt), p.max_tokens, width, client.block_size)
+        if needed > client.num_kv_blocks:
+            raise APIError(
+                f"beam search with n={width} and max_tokens {p.max_tokens} over "
+                f"{len(prompt)} prompt tokens may need {needed} KV blocks, but this server's "
+                f"cache holds {client.num_kv_blocks}; lower n or max_tokens",
+                param="n",
+            )
+        searches.append(
+            msgspec.structs.replace(
+                p,
+                beam_width=width,
+                length_penalty=float(body.length_penalty),
+                early_stopping=rule,
+                prompt_logprobs=None,  # as vLLM: a beam search computes none
+            )
+        )
+    return searches
 
 
 @dataclass(slots=True)

@@ -165,7 +165,7 @@ class ServingContext:
         """Admit and send the generation of one request (its prompts × n, `params` one
         per prompt); every submitted generation reaches finish()."""
         body = inputs.body
-        kind = BeamGeneration if params.beam_width else Generation
+        kind = BeamGeneration if params[0].beam_width else Generation
         generation = kind(
             self.client,
             inputs.request_id,

@@ -138,7 +138,7 @@ def test_what_vllm_refuses_is_a_400(http):
     base = {"model": MODEL, "prompt": "x", "use_beam_search": True}
     assert_error(http.post(C, json={**base, "stream": True}), 400, "stream", ["beam search"])
     assert_error(http.post(C, json={**base, "echo": True, "logprobs": 1}), 400, "echo")
-    r = http.post(C, json={**base, "logprob_token_ids": [1]})
+    r = http.post(C, json={**base, "logprobs": 1, "logprob_token_ids": [1]})
     assert_error(r, 400, "logprob_token_ids", ["beam search"])
     r = http.post(C, json={**base, "n": 150, "max_tokens": 1000})
     assert_error(r, 400, "n", ["KV blocks"])

@@ -32,7 +32,7 @@ RULES = [
     (C, {"prompt": "x", "best_of": 2}, "best_of", ["best_of"]),
     (C, {"prompt": "x", "echo": True, "logprobs": 1, "use_beam_search": True}, "echo", ["beam search", "prompt logprobs"]),
     (C, {"prompt": "x", "stream": True, "use_beam_search": True}, "stream", ["Streaming is not currently supported with beam search"]),
-    (C, {"prompt": "x", "use_beam_search": True, "early_stopping": "sometimes"}, "early_stopping", ["never"]),
+    (C, {"prompt": "x", "use_beam_search": True, "early_stopping": "sometimes"}, "body.early_stopping", ["never"]),
     (C, {"prompt": "x", "use_beam_search": True, "n": 300}, "n", ["--max-num-seqs", "300"]),
     # logprobs
     (C, {"prompt": "x", "logprobs": -1}, "logprobs", ["-1", "whole vocabulary", "--max-logprobs 20"]),
