@@ -24,6 +24,7 @@ def test_a_killed_engine_process_restarts_and_takes_traffic_again(small_model):
         "2",
         "--engine-restart-policy",
         "on-failure",
+        "--enable-dev-routes",  # /server_info shows each engine's incarnation
     )
     with server:
         before, after = kill_mid_stream_and_rejoin(

@@ -102,6 +102,7 @@ def ray_server(cluster: Cluster, model: Path, *flags: str, wait_ready: bool = Tr
         cluster.address,
         "--data-parallel-address",
         "127.0.0.1",
+        "--enable-dev-routes",  # /server_info shows where each engine runs
         *flags,
         env=LOOPBACK,
         wait_ready=wait_ready,
