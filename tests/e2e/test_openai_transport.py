@@ -390,8 +390,8 @@ def test_admission_limits_are_503s_with_retry_after_before_any_stream(http):
         after = rejections(http)
         assert after["max_num_queued_tokens"] == rejected_before["max_num_queued_tokens"] + 1
         assert after["max_num_queued_reqs"] == rejected_before["max_num_queued_reqs"] + 3
-        waiting = labelled(http, "zserve:num_requests_waiting_by_reason", "reason")
-        assert waiting == {"capacity": 2.0, "deferred": 0.0}
+        by_reason = labelled(http, "zserve:num_requests_waiting_by_reason", "reason")
+        assert by_reason == {"capacity": 2.0, "deferred": 0.0}
     finally:
         blocker.release()
     for t, result in threads:
