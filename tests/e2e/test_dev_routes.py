@@ -195,9 +195,9 @@ def test_collective_rpc_runs_allowed_methods_on_every_engine_and_refuses_the_res
         ({"method": "load_weights"}, "method"),
         ({"method": "__init__"}, "method"),
         ({"method": "x" * 65}, "body.method"),
-        ({}, "method"),
-        ({"method": "ping", "args": ["1"]}, "args"),
-        ({"method": "ping", "kwargs": {"a": "b"}}, "kwargs"),
+        ({}, "body.method"),
+        ({"method": "ping", "args": ["1"]}, "body.args"),
+        ({"method": "ping", "kwargs": {"a": "b"}}, "body.kwargs"),
         ({"method": "ping", "timeout": 0}, "timeout"),
         ({"method": "ping", "timeout": 1e9}, "timeout"),
     ):
