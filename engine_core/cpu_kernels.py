@@ -74,6 +74,9 @@ class CpuKernels:
         self.threads = self.set_threads(torch.get_num_threads())
         # Whether linear()/pack_linear() exist: the AVX512-BF16 matmul.
         self.has_linear = self.avx512
+        # Whether the forward should take it: not where oneDNN runs on AMX tiles, which
+        # is several times faster from a handful of rows on (BENCHMARKS.md §7).
+        self.prefer_linear = self.has_linear and not onednn_uses_amx()
         if self.has_linear:
             for name, argtypes in _LINEAR_SIGNATURES.items():
                 fn = getattr(lib, name)
@@ -228,6 +231,17 @@ class CpuKernels:
             out_f32,
         )  # fmt: skip
         return out
+
+
+def onednn_uses_amx() -> bool:
+    """Whether torch's oneDNN matmul runs on AMX tiles on this CPU (it asks the OS for
+    them; the CPU flag alone is not enough)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    probe = getattr(torch._C._cpu, "_is_amx_tile_supported", None)
+    if probe is not None:
+        return bool(probe())
+    return b"amx_bf16" in _cpu_identity()
 
 
 _loaded: dict[bool, CpuKernels | None] = {}

@@ -43,7 +43,7 @@ def torch_threads_beside(kernels: CpuKernels | None, threads: int) -> int:
     if kernels is None:
         return threads
     kernels.set_threads(threads)
-    if kernels.has_linear:
+    if kernels.prefer_linear:
         # The kernels then run the whole forward on their own pool; torch's few
         # remaining ops are small, and a second pool's workers would spin for
         # milliseconds after each one, on the cores the kernels use.

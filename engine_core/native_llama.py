@@ -53,9 +53,9 @@ class _Linear:
     dtype, then widened (the kernels' matmul does both in one pass).
 
     bf16 weights on CPU are packed once: for the CPU kernels' AVX512-BF16 matmul
-    where `kernels` has one (it also fuses the SiLU product), else into oneDNN's
-    blocked layout (faster than F.linear at decode batch sizes, bit-identical results;
-    BENCHMARKS.md §2); anything else goes through F.linear, so fp32 stays exactly
+    where `kernels` prefers it (it also fuses the SiLU product; not on AMX CPUs),
+    else into oneDNN's blocked layout (faster than F.linear at decode batch sizes,
+    bit-identical results; BENCHMARKS.md §2); anything else goes through F.linear, so fp32 stays exactly
     transformers'. A packed weight drops the unpacked one."""
 
     __slots__ = (
@@ -74,7 +74,7 @@ class _Linear:
         self.silu_mul, self.bias_f32, self.f32 = silu_mul, None, f32
         self.width = weight.shape[0] // 2 if silu_mul else weight.shape[0]
         bf16_cpu = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-        self.fused = bf16_cpu and kernels is not None and kernels.has_linear
+        self.fused = bf16_cpu and kernels is not None and kernels.prefer_linear
         if self.fused:
             self.packed = kernels.pack_linear(weight, gated=silu_mul)
             self.bias_f32 = None if bias is None else bias.float().contiguous()
