@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.messages import LoraConfig
 from protocol.sockets import CurveKeys
 
 
@@ -30,6 +31,7 @@ class EngineConfig:
     max_logprobs: int = 20  # -1: the whole vocabulary
     data_parallel_rank: int = 0
     data_parallel_size_local: int = 1
+    lora: LoraConfig | None = None  # --enable-lora's settings (None: LoRA off)
 
 
 @dataclass

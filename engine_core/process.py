@@ -20,6 +20,7 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import Future
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -27,6 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 from engine_core.client_load import HEARTBEAT_S, STATS_INTERVAL_S, ClientLoad, load_key
 from engine_core.config import EngineProcConfig
 from engine_core.device import release_free_memory
+from engine_core.lora_adapter import LoraError
 from protocol import codec
 from protocol.handshake import EngineHello, EnginePlan, decode_handshake, encode_handshake
 from protocol.messages import (
@@ -48,7 +50,14 @@ log = logging.getLogger("zserve.engine")
 
 RELEASE_MEMORY_S = 2.0  # at most this often, and only once idle
 
-UTILITY_METHODS = ("reset_prefix_cache", "make_stats", "ping")
+UTILITY_METHODS = (
+    "reset_prefix_cache",
+    "make_stats",
+    "ping",
+    "add_lora",
+    "remove_lora",
+    "list_loras",
+)
 
 
 class _Shutdown(Exception):
@@ -141,6 +150,15 @@ class EngineCoreProc:
             sock.connect(address)
             self.outputs.append(sock)
         self.client_load = ClientLoad(len(self.outputs))
+
+    def take_lora_settings(self, plan: EnginePlan) -> None:
+        """The head's LoRA settings are the server's: every engine, a headless one too,
+        serves the same adapters (a headless node's own LoRA flags give way)."""
+        own = self.cfg.engine.lora
+        if plan.lora != own:
+            if self.cfg.headless and own is not None:
+                log.warning("engine %d: the head's LoRA settings replace this node's", self.rank)
+            self.cfg.engine.lora = plan.lora
 
     def load(self) -> None:
         from engine_core.engine import EngineCore
@@ -330,12 +348,28 @@ class EngineCoreProc:
                     value = "pong"
                 else:
                     value = getattr(self.engine, call.method)(*args)
+                if isinstance(value, Future):
+                    # Answered when done (a LoRA load, on its own thread): the busy
+                    # loop takes the result in and this callback answers then.
+                    value.add_done_callback(lambda done: self._answer_later(call, done))
+                    return
                 result = UtilityResult(call.call_id, result=value)
             except Exception as e:  # a failed utility call must not kill the engine
-                result = UtilityResult(call.call_id, failure_message=f"{type(e).__name__}: {e}")
+                result = UtilityResult(call.call_id, failure_message=_failure(e))
+        self._answer(int(client_index), result)
+
+    def _answer_later(self, call: UtilityCall, done: Future) -> None:
+        error = done.exception()
+        if error is None:
+            result = UtilityResult(call.call_id, result=done.result())
+        else:
+            result = UtilityResult(call.call_id, failure_message=_failure(error))
+        self._answer(int((call.args or [0])[0]), result)
+
+    def _answer(self, client_index: int, result: UtilityResult) -> None:
         self.output_queue.put(
             (
-                int(client_index),
+                client_index,
                 EngineCoreOutputs(
                     engine_index=self.rank,
                     scheduler_stats=self._make_stats(),
@@ -421,6 +455,7 @@ class EngineCoreProc:
         try:
             plan = self.handshake()
             self.connect(plan)
+            self.take_lora_settings(plan)
             self.load()
             threads = [
                 threading.Thread(target=self.input_thread, name="engine-input", daemon=True),
@@ -475,3 +510,11 @@ def run_engine_core(cfg: EngineProcConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     return proc.run()
+
+
+def _failure(error: BaseException) -> str:
+    """A failed utility call's message: a LoRA refusal as is (the API server answers it
+    to the client), anything else with its type."""
+    if isinstance(error, LoraError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine_core.logits_processors import needs_processing
 from protocol.messages import EngineCoreRequest, FinishReason, Logprobs, SamplingParams
+
+if TYPE_CHECKING:
+    from engine_core.lora_manager import LoraSpec
 
 # Temperatures below this are greedy (as in vLLM): dividing by them would overflow.
 GREEDY_EPS = 1e-5
@@ -49,6 +53,8 @@ class Request:
         "prompt_logprobs_parts",
         "prompt_logprobs_done",
         "sampler_state",
+        "lora",
+        "hash_seed",
     )
 
     def __init__(self, request: EngineCoreRequest, eos_ids: frozenset[int]) -> None:
@@ -81,6 +87,8 @@ class Request:
         self.prompt_logprobs_parts: list[Logprobs] = []
         self.prompt_logprobs_done = params.prompt_logprobs is None
         self.sampler_state: object | None = None  # owned by the sampler
+        self.lora: LoraSpec | None = None  # its LoRA adapter (None: the base model)
+        self.hash_seed = b""  # starts its prefix-cache hash chain: the adapter's digest
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from frontend.config import FrontendConfig
 from frontend.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
 from frontend.http_limits import BodyLimitMiddleware
 from frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -26,7 +27,9 @@ from frontend.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from frontend.openapi import build_openapi
 from frontend.request_inputs import ClientDisconnected, json_body
@@ -34,6 +37,7 @@ from frontend.responses import json_response
 from frontend.serving import ServingContext
 from frontend.serving_chat import create_chat_completion
 from frontend.serving_completions import create_completion
+from frontend.serving_lora import load_lora_adapter, unload_lora_adapter
 from frontend.serving_tokens import detokenize, tokenize, tokenizer_info
 
 VERSION = "0.1.0"
@@ -42,17 +46,20 @@ Handler = Callable[[ServingContext, Request], Awaitable[Response]]
 
 
 async def list_models(ctx: ServingContext, request: Request) -> Response:
+    """The served names, then every LoRA adapter with its base model as `parent`."""
+    models = [(name, None) for name in ctx.config.served_model_names]
+    models += await ctx.loras.models()
     data = [
         {
             "id": name,
             "object": "model",
             "created": 0,
             "owned_by": "zserve",
-            "root": name,  # never the model's path on this machine
-            "parent": None,
+            "root": name,  # never a path on this machine (vLLM shows it)
+            "parent": parent,
             "max_model_len": ctx.max_model_len,
         }
-        for name in ctx.config.served_model_names
+        for name, parent in models
     ]
     return json_response({"object": "list", "data": data})
 
@@ -136,6 +143,10 @@ class RouteSpec:
     methods: tuple[str, ...] = ("GET",)
     body: type[BaseModel] | None = None  # the documented JSON body of a POST
     open: bool = False  # answered without the API key (probes and the scrape route)
+    when: str | None = None  # the FrontendConfig flag that turns the route on (None: always)
+
+    def enabled(self, config: FrontendConfig) -> bool:
+        return self.when is None or bool(getattr(config, self.when))
 
 
 ROUTES: tuple[RouteSpec, ...] = (
@@ -154,6 +165,20 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/server_info", server_info),
     RouteSpec("/metrics", metrics, open=True),
     RouteSpec("/metrics/", metrics, open=True),
+    RouteSpec(
+        "/v1/load_lora_adapter",
+        load_lora_adapter,
+        ("POST",),
+        LoadLoRAAdapterRequest,
+        when="enable_runtime_lora_updating",
+    ),
+    RouteSpec(
+        "/v1/unload_lora_adapter",
+        unload_lora_adapter,
+        ("POST",),
+        UnloadLoRAAdapterRequest,
+        when="enable_runtime_lora_updating",
+    ),
 )
 OPEN_PATHS = frozenset(r.path for r in ROUTES if r.open)
 
@@ -174,9 +199,10 @@ def _bind(ctx: ServingContext, handler: Handler):
 
 def build_app(ctx: ServingContext) -> Starlette:
     config = ctx.config
-    routes = [Route(r.path, _bind(ctx, r.handler), methods=list(r.methods)) for r in ROUTES]
+    served = [r for r in ROUTES if r.enabled(config)]
+    routes = [Route(r.path, _bind(ctx, r.handler), methods=list(r.methods)) for r in served]
     if not config.disable_fastapi_docs:
-        document = orjson.dumps(build_openapi(ROUTES, VERSION, config.root_path))
+        document = orjson.dumps(build_openapi(served, VERSION, config.root_path))
         routes.append(
             Route(
                 "/openapi.json",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from frontend.limits import RequestLimits
+from protocol.messages import LoraModule
 from protocol.sockets import CurveKeys
 
 
@@ -54,6 +55,11 @@ class FrontendConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     tokenizer_pool_size: int = 1  # worker processes per API server; 0: a thread instead
     tokenize_timeout_s: float = 60.0
+    # LoRA: the adapters of --lora-modules (the engines hold the live list) and whether
+    # clients may load and unload adapters (/v1/load_lora_adapter).
+    enable_lora: bool = False
+    lora_modules: list[LoraModule] = field(default_factory=list)
+    enable_runtime_lora_updating: bool = False
 
 
 @dataclass

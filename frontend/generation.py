@@ -90,12 +90,14 @@ class Generation:
         priority: int = 0,
         engine_rank: int | None = None,
         observer: GenerationObserver | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.client = client
         self.observer = observer
         self.request_id = request_id
         self.priority = priority
         self.engine_rank = engine_rank
+        self.lora_name = lora_name
         self.event = asyncio.Event()
         self.arrival_time = now()
         self.keep_logprobs = False  # non-streaming responses collect every logprob row
@@ -145,7 +147,7 @@ class Generation:
 
     def start(self) -> None:
         client = self.client
-        engine = client.pick_engine(self.engine_rank)
+        engine = client.pick_engine(self.engine_rank, prefer_lora=self.lora_name)
         self.engine = engine
         group = client.new_group() if len(self.choices) > 1 else 0
         try:
@@ -158,6 +160,7 @@ class Generation:
                     priority=self.priority,
                     data_parallel_rank=self.engine_rank,
                     group=group,
+                    lora_name=self.lora_name,
                 )
                 choice.stream = client.add_request(request, engine, self.event)
         except Exception:
@@ -211,6 +214,9 @@ class Generation:
         """Hot path: one engine output of one choice → its delta."""
         if out.finish_reason is FinishReason.REFUSED:
             self.abort()
+            gone = f"The model `{self.lora_name}` does not exist."
+            if self.lora_name is not None and out.error == gone:  # unloaded meanwhile
+                raise APIError(gone, 404, param="model")
             raise APIError(out.error or "the engine refused this request")
         if out.finish_reason is FinishReason.ERROR:
             self.abort()

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from protocol.messages import MAX_TEMPERATURE
+from protocol.messages import MAX_LORA_NAME_CHARS, MAX_LORA_PATH_CHARS, MAX_TEMPERATURE
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -240,3 +240,19 @@ class TokenizeRequest(_Model):
 class DetokenizeRequest(_Model):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(_Model):
+    """POST /v1/load_lora_adapter (vLLM's body; with --enable-runtime-lora-updating)."""
+
+    lora_name: str = Field(max_length=MAX_LORA_NAME_CHARS)
+    lora_path: str = Field(max_length=MAX_LORA_PATH_CHARS)
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Model):
+    """POST /v1/unload_lora_adapter; lora_int_id is accepted and ignored, as the name
+    alone names an adapter here."""
+
+    lora_name: str = Field(max_length=MAX_LORA_NAME_CHARS)
+    lora_int_id: int | None = None

@@ -13,6 +13,7 @@ from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.errors import APIError
 from frontend.generation import Choice, Generation
 from frontend.limits import check_prompt_chars
+from frontend.lora_adapters import LoraAdapters
 from frontend.metrics import Metrics
 from frontend.renderer import Renderer
 from frontend.request_inputs import RequestInputs
@@ -53,6 +54,7 @@ class ServingContext:
         self.active: set[Generation] = set()  # started and not yet finished
         self.draining = False
         self.large_request_seen = False  # the heap may hold its peak: release it (server.py)
+        self.loras = LoraAdapters(config, client)
 
     # --- what the engines announced ---------------------------------------------------
 
@@ -82,6 +84,15 @@ class ServingContext:
     def resolve_model(self, name: str | None) -> str:
         if not name or name in self.config.served_model_names:
             return self.model_name
+        raise APIError(f"The model `{name}` does not exist.", 404, param="model")
+
+    async def resolve_target(self, name: str | None) -> tuple[str, str | None]:
+        """The name responses report and the LoRA adapter (None: the base model) that
+        `model` selects; 404 for a name that is neither."""
+        if not name or name in self.config.served_model_names:
+            return self.model_name, None
+        if await self.loras.find(name):
+            return name, name
         raise APIError(f"The model `{name}` does not exist.", 404, param="model")
 
     @property
@@ -146,6 +157,7 @@ class ServingContext:
             priority=inputs.priority,
             engine_rank=inputs.engine_rank,
             observer=self,
+            lora_name=inputs.lora,
         )
         self.preflight()  # again: the engines may have died while this one was rendered
         choices = generation.choices

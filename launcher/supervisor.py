@@ -80,7 +80,9 @@ class Supervisor:
         self.api_servers.start()
         self.start_engines()
         self.handshake.run(
-            engine_plan(*self.api_servers.endpoints()), self.plan.engine_ready_timeout_s, self.check
+            engine_plan(*self.api_servers.endpoints(), self.plan.engine.lora),
+            self.plan.engine_ready_timeout_s,
+            self.check,
         )
         self.api_servers.wait_serving()
         log.info(
