@@ -35,6 +35,7 @@ class SampleRequest:
     prompt: str
     prompt_len: int
     output_len: int
+    model: str | None = None  # the model name to send instead of the endpoint's (--lora-modules)
 
 
 @dataclass(frozen=True)
