@@ -77,8 +77,9 @@ class CpuKernels:
         # Whether linear()/pack_linear() exist: the AVX512-BF16 matmul.
         self.has_linear = self.avx512
         # Whether the forward should take it: not where oneDNN runs on AMX tiles, which
-        # is several times faster from a handful of rows on (BENCHMARKS.md §7).
-        self.prefer_linear = self.has_linear and not onednn_uses_amx()
+        # is faster from a handful of rows on (BENCHMARKS.md §7).
+        self.amx = onednn_uses_amx()
+        self.prefer_linear = self.has_linear and not self.amx
         if self.has_linear:
             for name, argtypes in _LINEAR_SIGNATURES.items():
                 fn = getattr(lib, name)

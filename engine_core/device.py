@@ -43,10 +43,13 @@ def torch_threads_beside(kernels: CpuKernels | None, threads: int) -> int:
     if kernels is None:
         return threads
     kernels.set_threads(threads)
-    if kernels.prefer_linear:
-        # The kernels then run the whole forward on their own pool; torch's few
-        # remaining ops are small, and a second pool's workers would spin for
-        # milliseconds after each one, on the cores the kernels use.
+    if kernels.prefer_linear or kernels.amx:
+        # The kernels then run the whole forward on their own pool (on AMX all but the
+        # matmuls, where one thread's AMX tiles outrun the memory at these sizes); a
+        # second pool's workers would spin for milliseconds after each torch op, on
+        # the cores the kernels use: with torch's OpenMP on two threads beside them, a
+        # batch-32 decode step on a shared 2-core box took 20-120 ms instead of 5-10
+        # (BENCHMARKS.md §7).
         return 1
     return threads
 

@@ -18,6 +18,11 @@
 
 #define ZS_LORA_ROWS 8  /* rows per pass: 8 x 2 accumulators stay in registers */
 #define ZS_LORA_COLS 32 /* output columns per pass */
+#define ZS_LORA_AHEAD 8 /* pairs ahead that pair_rows prefetches */
+/* Multiply-adds below which a phase runs on the calling thread alone: a decode step's
+ * LoRA (~0.2-1.5M per projection) takes 20-40 us there, less than waking the pool,
+ * and a woken worker the OS deschedules mid-chunk stalls the step (BENCHMARKS.md §7). */
+#define ZS_LORA_PARALLEL_MIN (8 << 20)
 
 struct lora_item {
     int32_t seg, sub, r0, c0; /* sub -1: the shrink */
@@ -60,6 +65,10 @@ static inline __attribute__((always_inline)) void pair_rows(
     const int64_t pairs = (k + 1) / 2;
     for (int64_t p = 0; p < pairs; p++) {
         const bf16 *wp = w + (p * ncols + c0) * 2;
+        /* The weights stream from memory (a step's adapters do not stay in cache):
+         * ask for the pairs a few iterations ahead. */
+        _mm_prefetch((const char *)(wp + ZS_LORA_AHEAD * ncols * 2), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wp + ZS_LORA_AHEAD * ncols * 2 + 32), _MM_HINT_T0);
         const __m512bh b0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, wp);
         const __m512bh b1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, wp + 32);
         for (int r = 0; r < R; r++) {
@@ -198,6 +207,6 @@ void zs_lora(const bf16 *x, int64_t xs, bf16 *y, int64_t ys, int64_t k, int64_t 
         j.items = items;
         /* Chunks of at least ~64k multiply-adds: an expand item alone is a few k. */
         const int64_t grain = 1 + (int64_t)((65536 * n) / (work + 1));
-        zs_parallel(n, grain, work >= 16 * ZS_PARALLEL_MIN, lora_items, &j);
+        zs_parallel(n, grain, work >= ZS_LORA_PARALLEL_MIN, lora_items, &j);
     }
 }
