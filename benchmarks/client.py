@@ -34,7 +34,7 @@ class Endpoint:
 
     def body(self, req: SampleRequest) -> bytes:
         payload: dict[str, Any] = {
-            "model": self.model,
+            "model": req.model or self.model,
             "max_tokens": req.output_len,
             "stream": True,
             "stream_options": {"include_usage": True},

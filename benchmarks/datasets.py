@@ -36,6 +36,7 @@ class SampleRequest:
     prompt_len: int
     output_len: int
     extra: dict | None = None  # fields of this request's body only (structured_load.py)
+    model: str | None = None  # the model name to send instead of the endpoint's (--lora-modules)
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
+import random
 import sys
 import time
 from dataclasses import dataclass
@@ -128,7 +130,19 @@ def make_setup(args: argparse.Namespace, served: dict[str, Any] | None = None) -
         field=args.structured_output_field,
     )
     requests = constrain(build_requests(cfg, tok), load, args.seed)
+    requests = with_models(requests, args.lora_modules, args.seed)
     return Setup(tok, requests, args.metric_percentiles, parse_goodput(args.goodput))
+
+
+def with_models(
+    requests: list[SampleRequest], names: list[str] | None, seed: int
+) -> list[SampleRequest]:
+    """Each request sent to one of `names`, drawn at random (seeded), as vLLM's
+    --lora-modules does; none: the endpoint's model for all."""
+    if not names:
+        return requests
+    rng = random.Random(seed)
+    return [dataclasses.replace(r, model=rng.choice(names)) for r in requests]
 
 
 def headers_of(args: argparse.Namespace) -> dict[str, str]:

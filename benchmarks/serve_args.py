@@ -58,6 +58,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the first model of GET /v1/models)",
     )
     g.add_argument("--served-model-name", help="name to send when --model is a path")
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="model names (LoRA adapters, or the base model's name too) to spread requests "
+        "over: each request takes one at random, seeded by --seed",
+    )
     g.add_argument("--tokenizer", help="local folder (or file) with the server's tokenizer.json")
     g.add_argument(
         "--api-key",

@@ -59,6 +59,9 @@ class StepBatch:
     sequences: list[tuple[list[int], int, int]]
     num_decodes: int  # the first num_decodes sequences bring one token each
     positions: torch.Tensor  # int64 [N] on the CPU: each row's position in its sequence
+    # (first row, end row, packed adapter) of each run of rows of one LoRA adapter;
+    # None: no row of this step has one
+    lora: list[tuple[int, int, object]] | None = None
 
 
 @dataclass
@@ -76,6 +79,7 @@ class AttentionMetadata:
     decode_key_positions: torch.Tensor | None = None  # [1, max_blocks * block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
     rows: PagedRows | None = None
+    lora: object | None = None  # the step's LoRA rows in the backend's form (or None)
     _decode_biases: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _prefill_masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 

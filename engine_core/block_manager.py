@@ -60,7 +60,9 @@ class BlockManager:
         bs = self.block_size
         hashes = request.block_hashes
         tokens = request.all_token_ids
-        parent = hashes[-1] if hashes else b""
+        # A LoRA request's chain starts from its adapter's digest: the same tokens under
+        # another adapter (or none) never share KV.
+        parent = hashes[-1] if hashes else request.hash_seed
         for i in range(len(hashes), len(tokens) // bs):
             parent = _chain_hash(parent, tokens[i * bs : (i + 1) * bs])
             hashes.append(parent)

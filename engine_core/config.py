@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protocol.messages import LoraConfig
 from protocol.sockets import CurveKeys
 
 
@@ -60,6 +61,7 @@ class EngineConfig:
     profiler: ProfilerConfig | None = None  # None: no profiler routes (--profiler-config)
     tokenizer: str | None = None  # the grammar compiler's vocabulary (None: `model`'s)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
+    lora: LoraConfig | None = None  # --enable-lora's settings (None: LoRA off)
 
 
 @dataclass

@@ -32,7 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")  # *.c: one op each; kernels.h: what they share
-ABI = 3  # zs_abi() of the source this module speaks to
+ABI = 4  # zs_abi() of the source this module speaks to
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16  # query heads per KV head
 
@@ -47,6 +47,7 @@ _SIGNATURES = {
     ],
     "zs_softmax_draw": [_P, _I64, _P, _I64, _I64, _P],
     "zs_apply_bitmask": [_P, _I64, _P, _I64, _P, _I64, _I64],
+    "zs_lora": [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _I64],
 }  # fmt: skip
 # The linear layers are in the AVX-512 build only (elsewhere oneDNN's matmul is faster).
 _LINEAR_SIGNATURES = {
@@ -70,17 +71,17 @@ class CpuKernels:
         self._attention = lib.zs_paged_attention
         self._softmax_draw = lib.zs_softmax_draw
         self._apply_bitmask = lib.zs_apply_bitmask
+        self._lora = lib.zs_lora
         self.avx512 = bool(lib.zs_has_avx512())
         lib.zs_set_threads.argtypes, lib.zs_set_threads.restype = [_INT], _INT
         self._set_threads = lib.zs_set_threads
         self.threads = self.set_threads(torch.get_num_threads())
         # Whether linear()/pack_linear() exist: the AVX512-BF16 matmul.
         self.has_linear = self.avx512
-        # Whether the forward uses it: where the CPU has AMX tiles, oneDNN's matmul
-        # (torch's) runs on them and beats ours by 2-3x (a decode step at batch 128:
-        # 26 -> 10 ms; prefill 7.5k -> 25k tok/s; BENCHMARKS.md §2), so the forward
-        # keeps the other kernels and leaves the matmuls to oneDNN.
-        self.use_linear = self.has_linear and not _amx_available()
+        # Whether the forward should take it: not where oneDNN runs on AMX tiles, which
+        # is faster from a handful of rows on (BENCHMARKS.md §7).
+        self.amx = onednn_uses_amx()
+        self.prefer_linear = self.has_linear and not self.amx
         if self.has_linear:
             for name, argtypes in _LINEAR_SIGNATURES.items():
                 fn = getattr(lib, name)
@@ -229,23 +230,91 @@ class CpuKernels:
         n: int,
         gated: bool = False,
         out_f32: bool = False,
+        raw: bool = False,
     ) -> torch.Tensor:
         """x [M, K] (rows may be strided) @ the packed weight's [N, K]ᵀ (+ bias, fp32
         [N]) → bf16 [M, N], or with out_f32 fp32 [M, N]: the same bf16-rounded values,
         as .float() of the bf16 result, in one pass; gated (no bias, bf16 out):
-        silu(x Gᵀ) · (x Uᵀ) → [M, I = n], rounded as silu_mul() of the projection."""
+        silu(x Gᵀ) · (x Uᵀ) → [M, I = n], rounded as silu_mul() of the projection, or
+        with `raw` the projection itself, [M, 2 I] (gate then up)."""
         rows, k = x.shape
         if x.stride(1) != 1:
             x = x.contiguous()
         if out_f32 and gated:
             raise ValueError("the gated matmul answers bf16 only")
-        out = torch.empty(rows, n, dtype=torch.float32 if out_f32 else x.dtype)
+        width = 2 * n if gated and raw else n
+        out = torch.empty(rows, width, dtype=torch.float32 if out_f32 else x.dtype)
         self._linear(
             x.data_ptr(), x.stride(0), packed.data_ptr(),
-            None if bias is None else bias.data_ptr(), rows, n, k, gated, out.data_ptr(), n,
-            out_f32,
+            None if bias is None else bias.data_ptr(), rows, n, k,
+            _GATED_RAW if gated and raw else gated, out.data_ptr(), width, out_f32,
         )  # fmt: skip
         return out
+
+    def lora(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        bounds: torch.Tensor,
+        descs: int,
+        nseg: int,
+        scratch: torch.Tensor,
+    ) -> None:
+        """y [M, N] += each segment's (x Aᵀ) Bᵀ in place, x [M, K] (rows may be strided):
+        segment s is rows bounds[s]..bounds[s + 1] (int32 [nseg + 1]) with the module
+        description at the address the int64 at `descs` + 8 s holds (0: skip; see
+        csrc/lora.c and pack_lora_module); scratch bf16 [M, >= every rank]."""
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        self._lora(
+            x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[1], nseg,
+            bounds.data_ptr(), descs, scratch.data_ptr(), scratch.stride(0),
+        )  # fmt: skip
+
+
+def onednn_uses_amx() -> bool:
+    """Whether torch's oneDNN matmul runs on AMX tiles on this CPU (it asks the OS for
+    them; the CPU flag alone is not enough)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    probe = getattr(torch._C._cpu, "_is_amx_tile_supported", None)
+    if probe is not None:
+        return bool(probe())
+    return b"amx_bf16" in _cpu_identity()
+
+
+_GATED_RAW = 2  # linear.c's ZS_GATED_RAW
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] → the pair layout csrc/lora.c reads, bf16 [ceil(K/2), N, 2]: the two
+    consecutive k of one row side by side, K padded to even with a zero."""
+    n, k = weight.shape
+    w = weight.to(torch.bfloat16)
+    if k % 2:
+        w = torch.cat([w, w.new_zeros(n, 1)], dim=1)
+    return w.view(n, -1, 2).transpose(0, 1).contiguous()
+
+
+def pack_lora_module(
+    a: torch.Tensor, subs: list[tuple[int, torch.Tensor]]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One adapter's module for `CpuKernels.lora`: A [R, K] (every sub-block's rank
+    stacked, each even) and per sub-block (first output column, B [columns, rank]) →
+    the description (int64, csrc/lora.c's layout) and the tensors it points into,
+    which must stay alive as long as it is used."""
+    a_pairs = pack_pairs(a)
+    keep = [a_pairs]
+    desc = [a.shape[0], a_pairs.data_ptr(), len(subs)]
+    offset = 0
+    for col, b in subs:
+        b_pairs = pack_pairs(b)
+        keep.append(b_pairs)
+        desc += [col, b.shape[0], offset, b.shape[1], b_pairs.data_ptr()]
+        offset += b.shape[1]
+    if offset != a.shape[0] or offset % 2:
+        raise ValueError(f"sub-block ranks {offset} must sum to A's rows {a.shape[0]}, even each")
+    return torch.tensor(desc, dtype=torch.int64), keep
 
 
 _loaded: dict[bool, CpuKernels | None] = {}
@@ -326,12 +395,3 @@ def _cpu_identity() -> bytes:
         return platform.processor().encode()
     keep = [ln for ln in lines if ln.startswith(("model name", "flags", "cpu family", "model\t"))]
     return "\n".join(sorted(set(keep))).encode()
-
-
-def _amx_available() -> bool:
-    """Whether torch's oneDNN can run bf16 matmuls on AMX tiles here."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    try:
-        return bool(probe()) if probe is not None else False
-    except RuntimeError:
-        return False

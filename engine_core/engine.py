@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from bisect import bisect_left
+from concurrent.futures import Future
 
 import torch
 
@@ -13,8 +15,10 @@ from engine_core.block_manager import BlockManager
 from engine_core.config import EngineConfig
 from engine_core.grammar_waits import GrammarWaits
 from engine_core.logprobs import concat_logprobs, logprobs_of_positions, logprobs_per_row
+from engine_core.lora_adapter import LoraError
+from engine_core.lora_manager import LoraManager, LoraSpec
 from engine_core.model_runner import ModelRunner
-from engine_core.request import Request
+from engine_core.request import Request, RequestStatus
 from engine_core.sampler import Sampler
 from engine_core.scheduler import Scheduler, SchedulerOutput
 from engine_core.validation import validate_request
@@ -29,6 +33,9 @@ from protocol.messages import (
 )
 
 logger = logging.getLogger(__name__)
+
+# How long an idle step waits for a LoRA load to finish before the loop goes round.
+LORA_WAIT_S = 0.05
 
 
 class EngineCore:
@@ -67,6 +74,11 @@ class EngineCore:
         self.blocks = BlockManager(
             self.num_kv_blocks, self.block_size, config.enable_prefix_caching
         )
+        self.loras: LoraManager | None = None
+        if config.lora is not None:
+            backend = self.runner.backend
+            self.loras = LoraManager(config.lora, backend.lora_targets(), backend.prepare_lora)
+            self.loras.load_startup()
         self.scheduler = Scheduler(
             self.blocks,
             max_num_seqs=config.max_num_seqs,
@@ -74,6 +86,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             policy=config.scheduling_policy,
+            loras=self.loras,
         )
         self.sampler = Sampler(
             self.vocab_size, self.runner.device, config.seed, kernels=self.runner.kernels
@@ -107,6 +120,13 @@ class EngineCore:
             if request.sampling_params.beam_width:
                 check_beam_request(request, self.max_beam_width, self.blocks)
             state = Request(request, self.eos_token_ids)
+            if request.lora_name is not None:
+                if self.loras is None:
+                    raise ValueError(
+                        f"The model `{request.lora_name}` does not exist (LoRA is not enabled)."
+                    )
+                state.lora = self.loras.lookup(request.lora_name)
+            state.hash_seed = hash_seed(state.lora, request.cache_salt)
             if request.sampling_params.beam_width:
                 BeamGroup(state, self.max_model_len, self.eos_token_ids)
             # A constrained request waits for its grammar outside the scheduler.
@@ -149,22 +169,70 @@ class EngineCore:
                 self._count_preemptions(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or len(self.grammars) > 0
+        """Requests to step, grammars compiling, or LoRA loads to take in (the loop must
+        keep polling)."""
+        return (
+            self.scheduler.has_unfinished()
+            or len(self.grammars) > 0
+            or (self.loras is not None and self.loras.loading)
+        )
 
     def reset_prefix_cache(self) -> bool:
         return self.blocks.reset_prefix_cache()
+
+    # --- LoRA adapters (utility methods) -------------------------------------------------
+
+    def add_lora(
+        self, name: str, path: str, base_model_name: str | None = None, replace: bool = False
+    ) -> Future:
+        """Load an adapter at run time: a Future answered (True, or the LoraError that
+        says why not) once it is loaded, off the step thread."""
+        return self._lora_manager().add(name, path, base_model_name, replace)
+
+    def remove_lora(self, name: str) -> bool:
+        return self._lora_manager().remove(name)
+
+    def list_loras(self) -> list[list[str | None]]:
+        """[name, base_model_name] of every adapter (none when LoRA is off)."""
+        return [] if self.loras is None else self.loras.list()
+
+    def _lora_manager(self) -> LoraManager:
+        if self.loras is None:
+            raise LoraError("LoRA is not enabled on this server (--enable-lora)")
+        return self.loras
+
+    def _take_in_loras(self, wait_s: float = 0.0) -> dict[int, list[EngineCoreOutput]]:
+        """Finished LoRA loads; the waiting requests of an adapter that could not be read
+        again end with an error."""
+        failed = self.loras.poll(wait_s)
+        if not failed:
+            return {}
+        grouped: dict[int, list[EngineCoreOutput]] = {}
+        for request in list(self.requests.values()):
+            if request.lora in failed and request.status != RequestStatus.RUNNING:
+                if not self.grammars.remove(request.request_id):
+                    self.scheduler.finish_aborted(request)
+                del self.requests[request.request_id]
+                message = f"LoRA adapter {request.lora.name!r} could not be loaded: "
+                grouped.setdefault(request.client_index, []).append(
+                    error_output(request.request_id, message + str(request.lora.error))
+                )
+        return grouped
 
     @torch.inference_mode()
     def step(self) -> dict[int, list[EngineCoreOutput]]:
         """One schedule → forward → sample → update; outputs grouped by client_index."""
         refused = self._admit_grammars() if self.grammars.parked else {}
+        if self.loras is not None:
+            for client_index, errors in self._take_in_loras().items():
+                refused.setdefault(client_index, []).extend(errors)
         if not self.scheduler.has_unfinished():
             self.grammars.wait()  # nothing to run: don't spin while grammars compile
-            return refused
+            return self._wait_for_loras(refused)
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.requests:
-            return refused
+            return self._wait_for_loras(refused)
         logits = self.runner.execute(plan)
         num_sampling = len(plan.sampling)
         num_beam_rows = len(plan.beam_rows)
@@ -205,6 +273,16 @@ class EngineCore:
             output = error_output(request.request_id, request.error, FinishReason.REFUSED)
             refused.setdefault(request.client_index, []).append(output)
         return refused
+
+    def _wait_for_loras(
+        self, outputs: dict[int, list[EngineCoreOutput]]
+    ) -> dict[int, list[EngineCoreOutput]]:
+        """Nothing to run now: while a LoRA load is under way, wait a little for it
+        instead of spinning the loop."""
+        if self.loras is not None and self.loras.loading:
+            for client_index, errors in self._take_in_loras(LORA_WAIT_S).items():
+                outputs.setdefault(client_index, []).extend(errors)
+        return outputs
 
     @staticmethod
     def _sampled_logprobs(requests: list[Request], raw: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -322,7 +400,19 @@ class EngineCore:
             iteration_tokens_counts=list(self.iteration_tokens_counts),
             request_preemptions_sum=self.request_preemptions_sum,
             request_preemptions_counts=list(self.request_preemptions_counts),
+            lora_version=0 if self.loras is None else self.loras.version,
+            lora_loaded=[] if self.loras is None else self.loras.loaded_names(),
         )
+
+
+def hash_seed(lora: LoraSpec | None, cache_salt: str | None) -> bytes:
+    """Where a request's prefix-cache hash chain starts: the same tokens under another
+    adapter or another salt (or none) never share KV."""
+    digest = b"" if lora is None else lora.digest
+    if cache_salt is None:
+        return digest
+    salt = hashlib.blake2b(cache_salt.encode(), digest_size=16).digest()
+    return hashlib.blake2b(b"salt" + salt + digest, digest_size=16).digest()
 
 
 def _token_id(value: object) -> int | None:

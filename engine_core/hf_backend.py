@@ -7,7 +7,9 @@ import torch
 
 from engine_core.attention import AttentionMetadata, StepBatch, torch_metadata
 from engine_core.config import EngineConfig
+from engine_core.hf_lora import HfLora, LoraStep, pack_hf_lora, wrap_lora_targets
 from engine_core.kv_cache import PagedKVCache
+from engine_core.lora_adapter import LoraTargets, LoraWeights
 from engine_core.model_loader import SUPPORTED_ARCHITECTURES, ModelInfo, load_model
 
 
@@ -15,8 +17,11 @@ class TransformersBackend:
     kernels = None
     architectures = SUPPORTED_ARCHITECTURES
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, lora: bool = False) -> None:
         self.model = model
+        # With LoRA the decoder layers' linear layers are wrapped (hf_lora.py).
+        self._lora_step = LoraStep()
+        self._targets = wrap_lora_targets(model, self._lora_step) if lora else {}
 
     @staticmethod
     def unsupported_reason(info: ModelInfo) -> str | None:
@@ -31,10 +36,19 @@ class TransformersBackend:
         device: torch.device,
         max_model_len: int,
     ) -> TransformersBackend:
-        return cls(load_model(info, dtype, device))
+        return cls(load_model(info, dtype, device), lora=config.lora is not None)
 
     def attention_metadata(self, batch: StepBatch, cache: PagedKVCache) -> AttentionMetadata:
-        return torch_metadata(batch, cache)
+        meta = torch_metadata(batch, cache)
+        meta.lora = batch.lora
+        return meta
+
+    def lora_targets(self) -> LoraTargets:
+        return self._targets
+
+    def prepare_lora(self, weights: LoraWeights) -> HfLora:
+        param = next(self.model.parameters())
+        return pack_hf_lora(weights, param.dtype, param.device)
 
     def forward(
         self,
@@ -45,11 +59,15 @@ class TransformersBackend:
     ) -> torch.Tensor:
         # use_cache=False: the paged cache is ours; HF would build a DynamicCache.
         # Keyword arguments the model does not know reach the attention function as is.
-        out = self.model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            use_cache=False,
-            logits_to_keep=logits_indices,
-            attn_meta=attn_meta,
-        )
+        self._lora_step.runs = attn_meta.lora
+        try:
+            out = self.model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=logits_indices,
+                attn_meta=attn_meta,
+            )
+        finally:
+            self._lora_step.runs = None
         return out.logits[0].float()

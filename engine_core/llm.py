@@ -47,8 +47,10 @@ class LLM:
         prompts: list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         priorities: list[int] | None = None,
+        lora_names: list[str | None] | None = None,
     ) -> list[GenerationResult]:
-        """Run every prompt to completion; results in prompt order."""
+        """Run every prompt to completion; results in prompt order. `lora_names`: each
+        prompt's LoRA adapter (None: the base model)."""
         if not isinstance(params, list):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -64,6 +66,7 @@ class LLM:
                 sampling_params=p,
                 arrival_time=now(),
                 priority=priorities[i] if priorities else 0,
+                lora_name=lora_names[i] if lora_names else None,
             )
             for output in self.engine.add_request(request):
                 self._apply(result, output, logprob_parts)
@@ -74,6 +77,13 @@ class LLM:
         for request_id, parts in logprob_parts.items():
             results[request_id].logprobs = concat_logprobs(parts)
         return list(results.values())
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load a LoRA adapter now (raises LoraError when it cannot be served)."""
+        done = self.engine.add_lora(name, path)
+        while not done.done():
+            self.engine.step()
+        done.result()
 
     @staticmethod
     def _apply(

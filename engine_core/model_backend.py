@@ -14,6 +14,7 @@ import torch
 from engine_core.attention import AttentionMetadata, StepBatch
 from engine_core.cpu_kernels import CpuKernels
 from engine_core.kv_cache import PagedKVCache
+from engine_core.lora_adapter import LoraTargets, LoraWeights
 
 
 class ModelBackend(Protocol):
@@ -33,4 +34,15 @@ class ModelBackend(Protocol):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """[N] token ids and positions of the packed batch → fp32 logits [len(logits_indices), V]."""
+        ...
+
+    def lora_targets(self) -> LoraTargets:
+        """The modules a LoRA adapter may target, by their name in the causal LM, with
+        their (in, out) features."""
+        ...
+
+    def prepare_lora(self, weights: LoraWeights) -> object:
+        """An adapter packed for this backend's forward (runs on the loader thread); the
+        runner hands it back in StepBatch.lora, and attention_metadata puts the step's
+        form in AttentionMetadata.lora."""
         ...

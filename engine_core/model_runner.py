@@ -12,6 +12,7 @@ from engine_core.config import EngineConfig
 from engine_core.device import select_device, set_up_host, torch_threads_beside
 from engine_core.kv_cache import KVCacheSpec, PagedKVCache, cpu_num_blocks, gpu_num_blocks
 from engine_core.model_loader import inspect_model, resolve_dtype, resolve_max_model_len
+from engine_core.request import Request
 from engine_core.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -141,6 +142,7 @@ class ModelRunner:
         requests = [(r, n) for r, n in zip(out.requests, out.num_tokens) if n == 1]
         num_decodes = len(requests)
         requests += [(r, n) for r, n in zip(out.requests, out.num_tokens) if n != 1]
+        lora = _lora_runs(requests, num_decodes) if out.has_lora else None
         ids: list[int] = []
         pos: list[int] = []
         sequences: list[tuple[list[int], int, int]] = []
@@ -168,7 +170,7 @@ class ModelRunner:
         dev = self.device
         positions = torch.tensor(pos)
         meta = self.backend.attention_metadata(
-            StepBatch(sequences, num_decodes, positions), self.cache
+            StepBatch(sequences, num_decodes, positions, lora), self.cache
         )
         return (
             torch.tensor(ids, device=dev),
@@ -176,3 +178,24 @@ class ModelRunner:
             meta,
             torch.tensor(rows, dtype=torch.long, device=dev),
         )
+
+
+def _lora_runs(
+    requests: list[tuple[Request, int]], num_decodes: int
+) -> list[tuple[int, int, object]] | None:
+    """Order the decodes by adapter (in place), so each adapter's rows are one run; the
+    runs of rows that have one: (first row, end row, packed adapter)."""
+    decodes = requests[:num_decodes]
+    decodes.sort(key=lambda rn: 0 if rn[0].lora is None else id(rn[0].lora))
+    requests[:num_decodes] = decodes
+    runs: list[tuple[int, int, object]] = []
+    row = 0
+    for request, n in requests:
+        spec = request.lora
+        if spec is not None:
+            if runs and runs[-1][1] == row and runs[-1][2] is spec.adapter:
+                runs[-1] = (runs[-1][0], row + n, spec.adapter)
+            else:
+                runs.append((row, row + n, spec.adapter))
+        row += n
+    return runs or None

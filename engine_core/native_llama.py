@@ -31,7 +31,9 @@ from engine_core.attention import (
 )
 from engine_core.config import EngineConfig
 from engine_core.kv_cache import PagedKVCache
+from engine_core.lora_adapter import LoraTargets, LoraWeights
 from engine_core.model_loader import ModelInfo
+from engine_core.native_lora import LoraRows, NativeLora, native_targets
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +55,9 @@ class _Linear:
     dtype, then widened (the kernels' matmul does both in one pass).
 
     bf16 weights on CPU are packed once: for the CPU kernels' AVX512-BF16 matmul
-    where `kernels` has one (it also fuses the SiLU product), else into oneDNN's
-    blocked layout (faster than F.linear at decode batch sizes, bit-identical results;
-    BENCHMARKS.md §2); anything else goes through F.linear, so fp32 stays exactly
+    where `kernels` prefers it (it also fuses the SiLU product; not on AMX CPUs),
+    else into oneDNN's blocked layout (faster than F.linear at decode batch sizes,
+    bit-identical results; BENCHMARKS.md §2); anything else goes through F.linear, so fp32 stays exactly
     transformers'. A packed weight drops the unpacked one."""
 
     __slots__ = (
@@ -74,7 +76,7 @@ class _Linear:
         self.silu_mul, self.bias_f32, self.f32 = silu_mul, None, f32
         self.width = weight.shape[0] // 2 if silu_mul else weight.shape[0]
         bf16_cpu = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-        self.fused = bf16_cpu and kernels is not None and kernels.use_linear
+        self.fused = bf16_cpu and kernels is not None and kernels.prefer_linear
         if self.fused:
             self.packed = kernels.pack_linear(weight, gated=silu_mul)
             self.bias_f32 = None if bias is None else bias.float().contiguous()
@@ -94,12 +96,22 @@ class _Linear:
             return self.kernels.linear(
                 x, self.packed, self.bias_f32, self.width, self.silu_mul, self.f32
             )
-        if self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        else:
-            y = F.linear(x, self.weight, self.bias)
+        y = self.project(x)
         if not self.silu_mul:
             return y.float() if self.f32 else y
+        return self.activate(y)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x Wᵀ (+ b) alone: for `silu_mul` the gate and up halves [M, 2 I], before the
+        product (LoRA adds to them in between)."""
+        if self.fused:
+            return self.kernels.linear(x, self.packed, self.bias_f32, self.width, True, raw=True)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def activate(self, y: torch.Tensor) -> torch.Tensor:
+        """silu(gate) · up of a `silu_mul` layer's projection [M, 2 I] → [M, I]."""
         if self.kernels is not None:
             return self.kernels.silu_mul(y)
         gate, up = y.chunk(2, dim=-1)
@@ -254,6 +266,7 @@ class NativeLlamaBackend:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         self.split = (q, kv, kv)
+        self.hidden_size, self.intermediate = cfg.hidden_size, cfg.intermediate_size
 
     def _cpu_kernels(self, use: str) -> cpu_kernels.CpuKernels | None:
         if use == "off" or self.device.type != "cpu" or self.dtype != torch.bfloat16:
@@ -276,10 +289,32 @@ class NativeLlamaBackend:
         return cos[0].contiguous(), sin[0].contiguous()
 
     def attention_metadata(self, batch: StepBatch, cache: PagedKVCache) -> AttentionMetadata:
-        """The kernels' form where they run the forward, else the torch attention's."""
+        """The kernels' form where they run the forward, else the torch attention's;
+        with the step's LoRA rows, if any."""
         if self.kernels is None:
-            return torch_metadata(batch, cache)
-        return _paged_rows_metadata(batch, cache)
+            meta = torch_metadata(batch, cache)
+        else:
+            meta = _paged_rows_metadata(batch, cache)
+        if batch.lora is not None:
+            meta.lora = LoraRows(batch.lora, len(batch.positions), self.kernels, self.dtype)
+        return meta
+
+    # --- LoRA (native_lora.py) ------------------------------------------------------
+
+    def lora_targets(self) -> LoraTargets:
+        return native_targets(
+            len(self.layers), self.hidden_size, *self.split[:2], self.intermediate
+        )
+
+    def prepare_lora(self, weights: LoraWeights) -> NativeLora:
+        q, kv, _ = self.split
+        widths = {
+            "qkv": (q, kv, kv),
+            "o": (self.hidden_size,),
+            "gate_up": (self.intermediate, self.intermediate),
+            "down": (self.hidden_size,),
+        }
+        return NativeLora(weights, len(self.layers), widths, self.dtype, self.device, self.kernels)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # transformers' order: normalise in fp32, cast back, then scale.
@@ -307,11 +342,12 @@ class NativeLlamaBackend:
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         cos = self.cos.index_select(0, positions)[:, None, :]
         sin = self.sin.index_select(0, positions)[:, None, :]
+        lora = attn_meta.lora
         hidden = F.embedding(input_ids, self.embed)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             residual = hidden
             x = self._rms_norm(hidden, layer.input_norm)
-            qkv = layer.qkv(x)
+            qkv = _lora_linear(layer.qkv, x, lora, 4 * i)
             if layer.q_norm is None:
                 # q and k rotate together: one set of elementwise ops instead of two.
                 qk = self._rope(qkv[:, : (hq + hkv) * d].view(n, hq + hkv, d), cos, sin)
@@ -332,12 +368,23 @@ class NativeLlamaBackend:
                 sliding_window=layer.sliding_window,
                 attn_meta=attn_meta,
             )
-            hidden = residual + layer.o(attn.reshape(n, hq * d))
+            hidden = residual + _lora_linear(layer.o, attn.reshape(n, hq * d), lora, 4 * i + 1)
             residual = hidden
             x = self._rms_norm(hidden, layer.post_norm)
-            hidden = residual + layer.down(layer.gate_up(x))
+            hidden = residual + self._mlp(layer, x, lora, i)
         hidden = self._rms_norm(hidden.index_select(0, logits_indices), self.norm)
         return self.lm_head(hidden)
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor, lora: LoraRows | None, i: int) -> torch.Tensor:
+        """down(silu(gate) · up) of x, with the step's LoRA rows where adapters have them
+        (gate and up then take the unfused projection: LoRA adds before the product)."""
+        if lora is not None and lora.has[4 * i + 2]:
+            gate_up = layer.gate_up.project(x)
+            lora.apply(4 * i + 2, x, gate_up)
+            h = layer.gate_up.activate(gate_up)
+        else:
+            h = layer.gate_up(x)
+        return _lora_linear(layer.down, h, lora, 4 * i + 3)
 
     def _forward_kernels(
         self,
@@ -353,11 +400,12 @@ class NativeLlamaBackend:
         # kernels' matmul, which fuses SiLU·mul into gate/up).
         k, rows, eps = self.kernels, attn_meta.rows, self.eps
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        lora = attn_meta.lora
         hidden = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         x = k.rms_norm(hidden, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = attn_meta.kv_caches[layer.layer_idx]
-            qkv = layer.qkv(x)
+            qkv = _lora_linear(layer.qkv, x, lora, 4 * i)
             k.rope_store(
                 qkv, positions, self.cos, self.sin, hq, hkv, d, k_cache, v_cache,
                 rows.slots, layer.q_norm, layer.k_norm, eps,
@@ -366,13 +414,24 @@ class NativeLlamaBackend:
                 qkv[:, : hq * d], k_cache, v_cache, rows.tables, rows.row_table, rows.row_len,
                 hq, self.scaling, layer.sliding_window, None, rows.max_len,
             )  # fmt: skip
-            x = k.rms_norm(layer.o(attn), layer.post_norm, eps, residual=hidden)
-            down = layer.down(layer.gate_up(x))
+            o = _lora_linear(layer.o, attn, lora, 4 * i + 1)
+            x = k.rms_norm(o, layer.post_norm, eps, residual=hidden)
+            down = self._mlp(layer, x, lora, i)
             if i + 1 < len(self.layers):
                 x = k.rms_norm(down, self.layers[i + 1].input_norm, eps, residual=hidden)
         # Only the rows that sample need the last residual add and the final norm.
         last = hidden.index_select(0, logits_indices) + down.index_select(0, logits_indices)
         return self.lm_head(k.rms_norm(last, self.norm, eps))
+
+
+def _lora_linear(
+    linear: _Linear, x: torch.Tensor, lora: LoraRows | None, slot: int
+) -> torch.Tensor:
+    """linear(x), plus the step's LoRA rows of projection `slot` where any adapter has it."""
+    y = linear(x)
+    if lora is not None and lora.has[slot]:
+        lora.apply(slot, x, y)
+    return y
 
 
 def _paged_rows_metadata(batch: StepBatch, cache: PagedKVCache) -> AttentionMetadata:

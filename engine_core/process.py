@@ -20,6 +20,8 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -27,6 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 from engine_core.client_load import HEARTBEAT_S, STATS_INTERVAL_S, ClientLoad, load_key
 from engine_core.config import EngineProcConfig
 from engine_core.device import release_free_memory
+from engine_core.lora_adapter import LoraError
 from protocol import codec
 from protocol.controls import CONTROL_METHODS
 from protocol.handshake import EngineHello, EnginePlan, decode_handshake, encode_handshake
@@ -50,7 +53,14 @@ log = logging.getLogger("zserve.engine")
 
 RELEASE_MEMORY_S = 2.0  # at most this often, and only once idle
 
-UTILITY_METHODS = ("reset_prefix_cache", "make_stats", "ping")
+UTILITY_METHODS = (
+    "reset_prefix_cache",
+    "make_stats",
+    "ping",
+    "add_lora",
+    "remove_lora",
+    "list_loras",
+)
 
 
 class _Shutdown(Exception):
@@ -145,6 +155,15 @@ class EngineCoreProc:
             sock.connect(address)
             self.outputs.append(sock)
         self.client_load = ClientLoad(len(self.outputs))
+
+    def take_lora_settings(self, plan: EnginePlan) -> None:
+        """The head's LoRA settings are the server's: every engine, a headless one too,
+        serves the same adapters (a headless node's own LoRA flags give way)."""
+        own = self.cfg.engine.lora
+        if plan.lora != own:
+            if self.cfg.headless and own is not None:
+                log.warning("engine %d: the head's LoRA settings replace this node's", self.rank)
+            self.cfg.engine.lora = plan.lora
 
     def load(self) -> None:
         from engine_core.controls import EngineControls
@@ -376,10 +395,16 @@ class EngineCoreProc:
             elif call.method == "ping":
                 reply("pong")
             else:
-                reply(getattr(self.engine, call.method)(*args))
+                value = getattr(self.engine, call.method)(*args)
+                if isinstance(value, Future):
+                    # Answered when done (a LoRA load, on its own thread): the busy loop
+                    # takes the result in, and this callback answers then.
+                    value.add_done_callback(lambda done: _reply_when_done(done, reply))
+                else:
+                    reply(value)
         except Exception as e:  # a failed utility call must not kill the engine
             log.warning("engine %d: utility %s failed: %s", self.rank, call.method, e)
-            reply(failure=f"{type(e).__name__}: {e}")
+            reply(failure=_failure(e))
 
     def _reply_utility(self, client_index: int, result: UtilityResult) -> None:
         self.output_queue.put(
@@ -481,6 +506,7 @@ class EngineCoreProc:
         try:
             plan = self.handshake()
             self.connect(plan)
+            self.take_lora_settings(plan)
             self.load()
             threads = [
                 threading.Thread(target=self.input_thread, name="engine-input", daemon=True),
@@ -535,3 +561,19 @@ def run_engine_core(cfg: EngineProcConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     return proc.run()
+
+
+def _reply_when_done(done: Future, reply: Callable[..., None]) -> None:
+    error = done.exception()
+    if error is None:
+        reply(done.result())
+    else:
+        reply(failure=_failure(error))
+
+
+def _failure(error: BaseException) -> str:
+    """A failed utility call's message: a LoRA refusal as is (the API server answers it
+    to the client), anything else with its type."""
+    if isinstance(error, LoraError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"

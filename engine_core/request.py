@@ -13,6 +13,7 @@ from protocol.messages import EngineCoreRequest, FinishReason, Logprobs, Samplin
 if TYPE_CHECKING:
     from engine_core.beam_search import BeamGroup
     from engine_core.grammar_matcher import Constraint
+    from engine_core.lora_manager import LoraSpec
 
 # Temperatures below this are greedy (as in vLLM): dividing by them would overflow.
 GREEDY_EPS = 1e-5
@@ -58,6 +59,8 @@ class Request:
         "constraint",
         "error",
         "beam",
+        "lora",
+        "hash_seed",
     )
 
     # A running-list entry of the scheduler is a Request or a beam group (beam_search.py).
@@ -98,6 +101,9 @@ class Request:
         self.constraint: Constraint | None = None
         self.error: str | None = None  # why a REFUSED or ERROR finish happened
         self.beam: BeamGroup | None = None  # the beam search this sequence belongs to
+        self.lora: LoraSpec | None = None  # its LoRA adapter (None: the base model)
+        # Starts its prefix-cache hash chain: the adapter's digest and the cache salt.
+        self.hash_seed = b""
 
     def constraint_complete(self) -> bool:
         """The constraint has started and its text is whole (only EOS may follow)."""

@@ -4,6 +4,8 @@ One token budget per step. Running requests go first (a decode is one token, an
 unfinished prefill a chunk), then waiting ones; prefill and decode share a step.
 Blocks are allocated for the scheduled chunk only; when they run out, the newest
 running request is preempted and recomputed later (usually from the prefix cache).
+A request whose LoRA adapter cannot run yet (lora_manager.py) waits, and the ones
+behind it go first.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from engine_core.block_manager import BlockManager
+from engine_core.lora_manager import LoraManager
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduling_policy import make_policy
 from protocol.messages import FinishReason
@@ -35,6 +38,16 @@ class SchedulerOutput:
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
 
+    @property
+    def has_lora(self) -> bool:
+        """Whether any planned request runs with a LoRA adapter."""
+        return any(r.lora is not None for r in self.requests)
+
+
+# Waiting requests one step passes over because their LoRA adapter cannot run yet (not
+# loaded, or --max-loras others running): a bound on the work of a step that admits none.
+MAX_LORA_SKIPS = 64
+
 
 class Scheduler:
     def __init__(
@@ -45,6 +58,7 @@ class Scheduler:
         max_model_len: int,
         long_prefill_token_threshold: int = 0,
         policy: str = "fcfs",
+        loras: LoraManager | None = None,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -64,6 +78,7 @@ class Scheduler:
         self.num_beams_extra = 0  # running beams beyond one per beam search
         self.running_per_group: Counter = Counter()  # running requests per Request.group_key
         self.num_preemptions = 0
+        self.loras = loras
 
     def add(self, request: Request) -> None:
         self.waiting.add(request)
@@ -111,6 +126,7 @@ class Scheduler:
                 budget -= cost
                 i += 1
         # Admitting new work right after evicting old work would only thrash.
+        skipped: list[Request] = []  # waiting for their LoRA adapter, passed over
         while (
             not preempted
             and len(self.waiting) > 0
@@ -118,11 +134,18 @@ class Scheduler:
             and self.num_running_seqs < self.max_num_seqs
         ):
             request = self.waiting.peek()
+            if request.lora is not None and not self.loras.try_activate(request.lora):
+                skipped.append(self.waiting.pop())
+                if len(skipped) >= MAX_LORA_SKIPS:
+                    break
+                continue
             # Prompt logprobs need logits at every prompt position: no cache hits then.
             hits = self.blocks.find_cached_prefix(request) if request.prompt_logprobs_done else []
             num_hit_tokens = len(hits) * self.blocks.block_size
             n = min(request.num_tokens - num_hit_tokens, budget, self.chunk_cap)
             if not self.blocks.allocate(request, n, hits):
+                if request.lora is not None:
+                    self.loras.release(request.lora)
                 break
             self.waiting.pop()
             if self.blocks.enable_prefix_caching:
@@ -135,6 +158,8 @@ class Scheduler:
             self.running_per_group[request.group_key] += 1
             self._plan(out, request, n)
             budget -= n
+        for request in reversed(skipped):  # back in their places, at the head
+            self.waiting.add_preempted(request)
         return out
 
     def _plan(self, out: SchedulerOutput, request: Request, n: int) -> None:
@@ -193,8 +218,12 @@ class Scheduler:
         if request.is_group:
             request.free(self.blocks)
             self.num_beams_extra -= request.width - 1
+            lora = request.root.lora
         else:
             self.blocks.free(request)
+            lora = request.lora
+        if lora is not None:
+            self.loras.release(lora)
         left = self.running_per_group[request.group_key] - 1
         if left:
             self.running_per_group[request.group_key] = left

@@ -30,7 +30,9 @@ from frontend.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from frontend.openapi import build_openapi
 from frontend.request_inputs import ClientDisconnected, json_body
@@ -38,6 +40,7 @@ from frontend.responses import json_response
 from frontend.serving import ServingContext
 from frontend.serving_chat import create_batch_chat_completion, create_chat_completion
 from frontend.serving_completions import create_completion
+from frontend.serving_lora import load_lora_adapter, runtime_lora_updating, unload_lora_adapter
 from frontend.serving_tokens import detokenize, tokenize, tokenizer_info
 
 VERSION = "0.1.0"
@@ -46,17 +49,20 @@ Handler = Callable[[ServingContext, Request], Awaitable[Response]]
 
 
 async def list_models(ctx: ServingContext, request: Request) -> Response:
+    """The served names, then every LoRA adapter with its base model as `parent`."""
+    models = [(name, None) for name in ctx.config.served_model_names]
+    models += await ctx.loras.models()
     data = [
         {
             "id": name,
             "object": "model",
             "created": 0,
             "owned_by": "zserve",
-            "root": name,  # never the model's path on this machine
-            "parent": None,
+            "root": name,  # never a path on this machine (vLLM shows it)
+            "parent": parent,
             "max_model_len": ctx.max_model_len,
         }
-        for name in ctx.config.served_model_names
+        for name, parent in models
     ]
     return json_response({"object": "list", "data": data})
 
@@ -191,6 +197,20 @@ ROUTES: tuple[RouteSpec, ...] = (
     ),
     RouteSpec("/start_profile", dev.start_profile, ("POST",), when=dev.profiler_routes_enabled),
     RouteSpec("/stop_profile", dev.stop_profile, ("POST",), when=dev.profiler_routes_enabled),
+    RouteSpec(
+        "/v1/load_lora_adapter",
+        load_lora_adapter,
+        ("POST",),
+        LoadLoRAAdapterRequest,
+        when=runtime_lora_updating,
+    ),
+    RouteSpec(
+        "/v1/unload_lora_adapter",
+        unload_lora_adapter,
+        ("POST",),
+        UnloadLoRAAdapterRequest,
+        when=runtime_lora_updating,
+    ),
 )
 OPEN_PATHS = frozenset(r.path for r in ROUTES if r.open)
 VLLM_OPEN_PATHS = frozenset(r.path for r in ROUTES if r.vllm_open)

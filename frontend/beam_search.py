@@ -27,7 +27,6 @@ from protocol.messages import (
     BeamSequence,
     EarlyStopping,
     EngineCoreOutput,
-    EngineCoreRequest,
     FinishReason,
     Logprobs,
     SamplingParams,
@@ -152,20 +151,14 @@ class BeamGeneration(Generation):
 
     def start(self) -> None:
         client = self.client
-        engine = client.pick_engine(self.engine_rank)
+        engine = client.pick_engine(self.engine_rank, prefer_lora=self.lora_name)
         self.engine = engine
         group = client.new_group() if len(self.searches) > 1 else 0
         try:
             for search in self.searches:
                 first = search.choices[0]
-                request = EngineCoreRequest(
-                    request_id=search.request_id,
-                    prompt_token_ids=first.prompt_ids,
-                    sampling_params=first.params,
-                    arrival_time=self.arrival_time,
-                    priority=self.priority,
-                    data_parallel_rank=self.engine_rank,
-                    group=group,
+                request = self.engine_request(
+                    search.request_id, first.prompt_ids, first.params, group
                 )
                 search.stream = client.add_request(request, engine, self.event)
         except Exception:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from frontend.limits import RequestLimits
 from frontend.structured_outputs import StructuredOutputOptions
+from protocol.messages import LoraModule
 from protocol.sockets import CurveKeys
 
 
@@ -70,6 +71,11 @@ class FrontendConfig:
     reasoning_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False
     structured_outputs: StructuredOutputOptions = field(default_factory=StructuredOutputOptions)
+    # LoRA: the adapters of --lora-modules (the engines hold the live list) and whether
+    # clients may load and unload adapters (/v1/load_lora_adapter).
+    enable_lora: bool = False
+    lora_modules: list[LoraModule] = field(default_factory=list)
+    enable_runtime_lora_updating: bool = False
 
 
 @dataclass

@@ -40,6 +40,10 @@ from protocol.sockets import (
 
 log = logging.getLogger("zserve.client")
 
+# Requests' worth of load an engine counts for a LoRA request when the adapter is not in
+# its memory: enough to prefer a warm engine at about the same load, not to pile on it.
+LORA_COLD_PENALTY = 2
+
 
 class EngineDeadError(RuntimeError):
     """An engine this request depends on has died."""
@@ -244,13 +248,17 @@ class EngineClient:
 
     # --- requests -----------------------------------------------------------------
 
-    def pick_engine(self, pinned_rank: int | None = None) -> EngineState:
+    def pick_engine(
+        self, pinned_rank: int | None = None, prefer_lora: str | None = None
+    ) -> EngineState:
         """The engine with the lowest load score; ties rotate.
 
         Score = this server's own in-flight requests on the engine, counted here and
         so exact at once (a burst that arrives before any stats still spreads
         evenly), plus the other servers' unfinished requests there as the engine last
         reported them (at most ~100 ms old while it works, and its idle state too).
+        A request for a LoRA adapter counts LORA_COLD_PENALTY more on an engine that
+        does not hold it in memory (it would read the adapter from disk first).
         """
         if pinned_rank is not None:
             engine = self.engines[pinned_rank]
@@ -267,6 +275,8 @@ class EngineClient:
             if not engine.alive or engine.stats.paused:
                 continue
             score = self._others_load(engine.stats) + engine.in_flight
+            if prefer_lora is not None and prefer_lora not in engine.stats.lora_loaded:
+                score += LORA_COLD_PENALTY
             if best_score is None or score < best_score:
                 best, best_score = engine, score
         if best is None:

@@ -93,12 +93,16 @@ class Generation:
         priority: int = 0,
         engine_rank: int | None = None,
         observer: GenerationObserver | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.client = client
         self.observer = observer
         self.request_id = request_id
         self.priority = priority
         self.engine_rank = engine_rank
+        self.lora_name = lora_name
+        self.cache_salt = cache_salt
         self.event = asyncio.Event()
         self.arrival_time = now()
         self.keep_logprobs = False  # non-streaming responses collect every logprob row
@@ -148,24 +152,34 @@ class Generation:
 
     def start(self) -> None:
         client = self.client
-        engine = client.pick_engine(self.engine_rank)
+        engine = client.pick_engine(self.engine_rank, prefer_lora=self.lora_name)
         self.engine = engine
         group = client.new_group() if len(self.choices) > 1 else 0
         try:
             for choice in self.choices:
-                request = EngineCoreRequest(
-                    request_id=choice.engine_request_id,
-                    prompt_token_ids=choice.prompt_ids,
-                    sampling_params=choice.params,
-                    arrival_time=self.arrival_time,
-                    priority=self.priority,
-                    data_parallel_rank=self.engine_rank,
-                    group=group,
+                request = self.engine_request(
+                    choice.engine_request_id, choice.prompt_ids, choice.params, group
                 )
                 choice.stream = client.add_request(request, engine, self.event)
         except Exception:
             self.abort()
             raise
+
+    def engine_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: int
+    ) -> EngineCoreRequest:
+        """One engine request of this generation, with what all of them share."""
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            arrival_time=self.arrival_time,
+            priority=self.priority,
+            data_parallel_rank=self.engine_rank,
+            group=group,
+            lora_name=self.lora_name,
+            cache_salt=self.cache_salt,
+        )
 
     def abort(self) -> None:
         """Free every unfinished choice in the engine (idempotent)."""
@@ -224,6 +238,9 @@ class Generation:
         """Hot path: one engine output of one choice → its delta."""
         if out.finish_reason is FinishReason.REFUSED:
             self.abort()
+            gone = f"The model `{self.lora_name}` does not exist."
+            if self.lora_name is not None and out.error == gone:  # unloaded meanwhile
+                raise APIError(gone, 404, param="model")
             message = out.error or "the engine refused this request"
             raise APIError(message, param=refused_field(message))
         if out.finish_reason is FinishReason.UNAVAILABLE:  # asleep, or put to sleep

@@ -12,9 +12,10 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from frontend.errors import listing
-from protocol.messages import MAX_TEMPERATURE
+from protocol.messages import MAX_LORA_NAME_CHARS, MAX_LORA_PATH_CHARS, MAX_TEMPERATURE
 
 INT64_MIN = -(2**63)
+MAX_CACHE_SALT_CHARS = 1024  # hashed once per sequence into its prefix-cache chain
 INT64_MAX = 2**63 - 1
 
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
@@ -66,7 +67,7 @@ class SamplingFields(_Model):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool | None = None  # None: --return-tokens-as-token-ids
     logprob_token_ids: list[int] | None = None  # at most MAX_LOGPROB_TOKEN_IDS
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -332,3 +333,19 @@ class TokenizeRequest(_Model):
 class DetokenizeRequest(_Model):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(_Model):
+    """POST /v1/load_lora_adapter (vLLM's body; with --enable-runtime-lora-updating)."""
+
+    lora_name: str = Field(max_length=MAX_LORA_NAME_CHARS)
+    lora_path: str = Field(max_length=MAX_LORA_PATH_CHARS)
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Model):
+    """POST /v1/unload_lora_adapter; lora_int_id is accepted and ignored, as the name
+    alone names an adapter here."""
+
+    lora_name: str = Field(max_length=MAX_LORA_NAME_CHARS)
+    lora_int_id: int | None = None

@@ -49,6 +49,7 @@ class RequestInputs(Generic[S]):
     request_id: str
     priority: int
     engine_rank: int | None  # X-data-parallel-rank; None: the balancer picks
+    lora: str | None = None  # the LoRA adapter `model` names (None: the base model)
 
 
 async def read_inputs(
@@ -69,7 +70,7 @@ async def read_inputs(
     if header_id is not None:
         check_request_id(header_id, "X-Request-Id", ctx.limits)
     body = await parse_body(ctx, request, model)
-    served = ctx.resolve_model(body.model)
+    served, lora = await ctx.resolve_target(body.model)
     priority = header_priority if header_priority is not None else body.priority
     if priority != 0 and ctx.config.scheduling_policy != "priority":
         raise APIError(
@@ -84,7 +85,7 @@ async def read_inputs(
     check_prompt_count(num_prompts, ctx.limits, prompts_field)
     check_fan_out(num_prompts, body.n, ctx.limits)
     request_id = header_id or body.request_id or uuid.uuid4().hex
-    return RequestInputs(body, served, request_id, priority, engine_rank)
+    return RequestInputs(body, served, request_id, priority, engine_rank, lora)
 
 
 async def parse_body(ctx: ServingContext, request: Request, model: type[M]) -> M:

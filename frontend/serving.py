@@ -16,6 +16,7 @@ from frontend.engine_client import EngineAsleepError, EngineClient, EngineDeadEr
 from frontend.errors import APIError, asleep_error
 from frontend.generation import Choice, Generation
 from frontend.limits import check_prompt_chars
+from frontend.lora_adapters import LoraAdapters
 from frontend.metrics import Metrics
 from frontend.openai_models import SamplingFields
 from frontend.renderer import Renderer
@@ -58,6 +59,7 @@ class ServingContext:
         self.active: set[Generation] = set()  # started and not yet finished
         self.draining = False
         self.large_request_seen = False  # the heap may hold its peak: release it (server.py)
+        self.loras = LoraAdapters(config, client)
 
     # --- what the engines announced ---------------------------------------------------
 
@@ -109,6 +111,15 @@ class ServingContext:
     def resolve_model(self, name: str | None) -> str:
         if not name or name in self.config.served_model_names:
             return self.model_name
+        raise APIError(f"The model `{name}` does not exist.", 404, param="model")
+
+    async def resolve_target(self, name: str | None) -> tuple[str, str | None]:
+        """The name responses report and the LoRA adapter (None: the base model) that
+        `model` selects; 404 for a name that is neither."""
+        if not name or name in self.config.served_model_names:
+            return self.model_name, None
+        if await self.loras.find(name):
+            return name, name
         raise APIError(f"The model `{name}` does not exist.", 404, param="model")
 
     @property
@@ -179,6 +190,8 @@ class ServingContext:
             priority=inputs.priority,
             engine_rank=inputs.engine_rank,
             observer=self,
+            lora_name=inputs.lora,
+            cache_salt=body.cache_salt,
         )
         self.preflight()  # again: the engines may have died while this one was rendered
         choices = generation.choices

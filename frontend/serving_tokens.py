@@ -21,7 +21,7 @@ from frontend.tokenizer_pool import INLINE_CHARS
 
 async def tokenize(ctx: ServingContext, request: Request) -> Response:
     body = await parse_body(ctx, request, TokenizeRequest)
-    ctx.resolve_model(body.model)
+    await ctx.resolve_target(body.model)
     if body.messages is not None:
         text = await render_messages(
             ctx,
@@ -65,7 +65,7 @@ async def tokenize(ctx: ServingContext, request: Request) -> Response:
 
 async def detokenize(ctx: ServingContext, request: Request) -> Response:
     body = await parse_body(ctx, request, DetokenizeRequest)
-    ctx.resolve_model(body.model)
+    await ctx.resolve_target(body.model)
     check_token_ids(body.tokens, ctx.vocab_size, "tokens")
     return json_response({"prompt": await ctx.decode(body.tokens)})
 

@@ -19,7 +19,7 @@ from protocol.handshake import (
     decode_handshake,
     encode_handshake,
 )
-from protocol.messages import PROTOCOL_VERSION
+from protocol.messages import PROTOCOL_VERSION, LoraConfig
 from protocol.sockets import CurveKeys, bind, identity_rank, make_socket, needs_curve
 
 log = logging.getLogger("zserve.supervisor")
@@ -123,9 +123,12 @@ class EngineHandshake:
         self.socket.close(linger=0)
 
 
-def engine_plan(inputs: list[str], outputs: list[str]) -> EnginePlan:
-    """What every accepted engine hears: the API servers' endpoints, in index order."""
-    return EnginePlan(PROTOCOL_VERSION, inputs, outputs)
+def engine_plan(
+    inputs: list[str], outputs: list[str], lora: LoraConfig | None = None
+) -> EnginePlan:
+    """What every accepted engine hears: the API servers' endpoints, in index order, and
+    the server's LoRA settings."""
+    return EnginePlan(PROTOCOL_VERSION, inputs, outputs, lora=lora)
 
 
 def _refusal(reason: str) -> EnginePlan:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 
 from engine_core.config import ProfilerConfig
 from frontend.limits import RequestLimits
 from launcher.structured_outputs_flag import parse_structured_outputs_config
+from protocol.messages import LoraModule
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -35,8 +37,6 @@ def parse_bytes(text: str) -> int:
 def _str_list(text: str) -> list[str]:
     text = text.strip()
     if text.startswith("["):
-        import json
-
         try:
             value = json.loads(text)
         except ValueError as e:
@@ -172,6 +172,30 @@ def _positive(text: str) -> int:
     return value
 
 
+def lora_module(text: str) -> LoraModule:
+    """One --lora-modules item: NAME=PATH, or JSON {"name", "path", "base_model_name"}
+    (vLLM's two forms)."""
+    text = text.strip()
+    if "=" in text and not text.startswith("{"):
+        name, _, path = text.partition("=")
+        return LoraModule(name.strip(), path.strip())
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not NAME=PATH or a JSON object: {text!r} (e.g. sql=/adapters/sql or "
+            '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "base"}\')'
+        ) from None
+    fields = {"name", "path", "base_model_name"}
+    if not isinstance(value, dict) or not {"name", "path"} <= set(value) or set(value) - fields:
+        raise argparse.ArgumentTypeError(
+            f"a JSON --lora-modules item needs name and path (and may have base_model_name): {text!r}"
+        )
+    if not all(isinstance(v, str) for v in value.values() if v is not None):
+        raise argparse.ArgumentTypeError(f"--lora-modules fields must be strings: {text!r}")
+    return LoraModule(value["name"], value["path"], value.get("base_model_name"))
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
@@ -278,6 +302,43 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "RoPE, SiLU, paged attention and, with AVX512-BF16, the matmuls; compiled once per "
         "machine with gcc), falling back to torch's ops where they cannot build; off: "
         "torch's ops always",
+    )
+
+    g = p.add_argument_group("LoRA", "adapters in PEFT's format, many served in one batch")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    g.add_argument(
+        "--lora-modules",
+        type=lora_module,
+        nargs="+",
+        action="extend",
+        default=[],
+        help="adapters loaded at start-up: NAME=PATH, or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\' (PATH: a local folder with '
+        "adapter_config.json and adapter_model.safetensors); a request selects one with "
+        "model: NAME",
+    )
+    g.add_argument(
+        "--max-loras",
+        type=_positive,
+        default=1,
+        help="most adapters in one step (and running at once); a request for another waits",
+    )
+    g.add_argument(
+        "--max-lora-rank", type=_positive, default=16, help="highest adapter rank accepted"
+    )
+    g.add_argument(
+        "--max-cpu-loras",
+        type=_positive,
+        default=None,
+        help="adapters kept loaded in memory, least recently used dropped first (an adapter "
+        "dropped is read again from its folder when a request needs it; default: --max-loras)",
+    )
+    g.add_argument(
+        "--enable-runtime-lora-updating",
+        action="store_true",
+        help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (what vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 turns on, which zserve also reads): whoever may "
+        "call the API may then make the server read any folder it can, so keep --api-key on",
     )
 
     g = p.add_argument_group("OpenAI API")

@@ -128,7 +128,7 @@ class Supervisor:
         engines.place()
 
     def engine_plan(self) -> EnginePlan:
-        return engine_plan(*self.api_servers.endpoints())
+        return engine_plan(*self.api_servers.endpoints(), self.plan.engine.lora)
 
     def run_headless(self) -> int:
         """Engines only; they join the head at its handshake address."""

@@ -24,6 +24,7 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,6 +144,82 @@ def build_tiny_model(
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         _write_model_folder(staging, arch, size)
+        os.chmod(staging, 0o755)
+        _move_into_place(staging, out, force)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+# What --lora-targets names, per architecture's module names (PEFT's target_modules).
+LORA_TARGETS = {
+    "all": "all-linear",
+    "attention": ["q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"],
+    "qv": ["q_proj", "v_proj", "qkv_proj"],
+    "mlp": ["gate_proj", "up_proj", "down_proj", "gate_up_proj"],
+}
+
+
+def build_tiny_lora(
+    model_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    rank: int = 8,
+    alpha: float = 16,
+    targets: str = "all",
+    use_rslora: bool = False,
+    force: bool = False,
+) -> Path:
+    """Write a random LoRA adapter for the model at `model_dir` with PEFT, in its format
+    (adapter_config.json + adapter_model.safetensors), deterministically from `seed`.
+
+    Both A and B are drawn (PEFT's own init leaves B zero: an adapter that changes
+    nothing), from N(0, the base's initializer_range), so the adapter moves greedy
+    output about as much as the base weights themselves."""
+    try:
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:
+        raise ValueError(f"--lora needs the peft package (pip install peft): {e}") from None
+    if targets not in LORA_TARGETS:
+        raise ValueError(
+            f"unknown LoRA targets {targets!r}; choose one of {', '.join(LORA_TARGETS)}"
+        )
+    out = Path(out_dir)
+    if not force and _is_occupied(out):
+        raise FileExistsError(f"{out} already exists; use --force to replace it")
+    with torch.random.fork_rng(devices=[]), _progress_bars_off(), warnings.catch_warnings():
+        # peft asks transformers about gradient checkpointing in a deprecated way.
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        wanted = LORA_TARGETS[targets]
+        if isinstance(wanted, list):  # only the names this architecture has
+            present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+            wanted = [t for t in wanted if t in present]
+        config = LoraConfig(
+            r=rank,
+            lora_alpha=alpha,
+            target_modules=wanted,
+            lora_dropout=0.0,
+            bias="none",
+            use_rslora=use_rslora,
+            init_lora_weights=False,
+            task_type="CAUSAL_LM",
+        )
+        peft_model = get_peft_model(model, config)
+        generator = torch.Generator().manual_seed(seed)
+        std = getattr(model.config, "initializer_range", 0.02)
+        for name, param in sorted(peft_model.named_parameters()):
+            if ".lora_A." in name or ".lora_B." in name:
+                param.data.normal_(0.0, std, generator=generator)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        with _progress_bars_off():
+            peft_model.save_pretrained(staging)
         os.chmod(staging, 0o755)
         _move_into_place(staging, out, force)
     finally:
@@ -369,17 +446,52 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--arch", choices=ARCHS, default="llama")
     parser.add_argument("--size", choices=SIZES, default="tiny")
     parser.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    g = parser.add_argument_group(
+        "LoRA", "random adapters in PEFT's format for the model at DIR (built first if missing)"
+    )
+    g.add_argument(
+        "--lora",
+        metavar="LORA_DIR",
+        type=Path,
+        action="append",
+        default=[],
+        help="write an adapter here (repeatable: the n-th one is seeded --lora-seed + n)",
+    )
+    g.add_argument("--lora-rank", type=int, default=8)
+    g.add_argument("--lora-alpha", type=float, default=16.0)
+    g.add_argument("--lora-seed", type=int, default=0)
+    g.add_argument("--lora-targets", choices=list(LORA_TARGETS), default="all")
+    g.add_argument("--lora-rslora", action="store_true", help="use_rslora: alpha / sqrt(rank)")
     parser.set_defaults(run=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     """The `make-tiny-model` command; returns the exit code."""
+    existing = args.lora and (args.dir / "config.json").is_file() and not args.force
     try:
-        out = build_tiny_model(args.dir, arch=args.arch, size=args.size, force=args.force)
+        if existing:
+            out = args.dir
+        else:
+            out = build_tiny_model(args.dir, arch=args.arch, size=args.size, force=args.force)
+            print(f"wrote a {args.size} {args.arch} model to {out}")
+            print(
+                "its weights are random: it produces gibberish, and is meant for tests and "
+                "benchmarks"
+            )
+        for i, lora_dir in enumerate(args.lora):
+            adapter = build_tiny_lora(
+                out,
+                lora_dir,
+                seed=args.lora_seed + i,
+                rank=args.lora_rank,
+                alpha=args.lora_alpha,
+                targets=args.lora_targets,
+                use_rslora=args.lora_rslora,
+                force=args.force,
+            )
+            print(f"wrote a rank-{args.lora_rank} LoRA adapter for {out} to {adapter}")
     except (ValueError, FileExistsError) as exc:
         print(f"zserve make-tiny-model: error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote a {args.size} {args.arch} model to {out}")
-    print("its weights are random: it produces gibberish, and is meant for tests and benchmarks")
     return 0

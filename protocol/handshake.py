@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.messages import PROTOCOL_VERSION, EngineReady, _Wire
+from protocol.messages import PROTOCOL_VERSION, EngineReady, LoraConfig, _Wire
 
 
 class ProtocolVersionError(RuntimeError):
@@ -29,12 +29,14 @@ class EngineHello(_Wire):
 
 
 class EnginePlan(_Wire):
-    """Where an engine connects: one input (DEALER) and one output (PUSH) per API server."""
+    """Where an engine connects: one input (DEALER) and one output (PUSH) per API server;
+    and the server's LoRA settings, which every engine, headless ones included, takes."""
 
     protocol_version: int
     input_addresses: list[str]
     output_addresses: list[str]
     error: str | None = None
+    lora: LoraConfig | None = None
 
 
 class HandshakeMessage(_Wire):

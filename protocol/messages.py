@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import re
 import time
 from typing import Any
 
@@ -154,6 +155,57 @@ class SamplingParams(_Wire):
     early_stopping: EarlyStopping = EarlyStopping.EXACT
 
 
+# LoRA adapters: what a name and a path may be, and how many one server registers.
+# The launcher, the API servers and the engines all check them (check_lora_name).
+MAX_LORA_NAME_CHARS = 128
+MAX_LORA_PATH_CHARS = 4096
+MAX_LORA_ADAPTERS = 1024
+_LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+/-]*")
+
+
+def check_lora_name(name: object) -> str | None:
+    """Why `name` cannot name a LoRA adapter (None: it can)."""
+    if not isinstance(name, str) or not name:
+        return "an adapter name must be a non-empty string"
+    if len(name) > MAX_LORA_NAME_CHARS:
+        return f"an adapter name may be at most {MAX_LORA_NAME_CHARS} characters long"
+    if not _LORA_NAME.fullmatch(name):
+        return (
+            f"adapter name {name!r} must start with a letter or digit and hold only letters, "
+            "digits and . _ : @ + / -"
+        )
+    return None
+
+
+def check_lora_path(path: object) -> str | None:
+    """Why `path` cannot be an adapter's folder, before the file system is asked."""
+    if not isinstance(path, str) or not path:
+        return "an adapter path must be a non-empty string"
+    if len(path) > MAX_LORA_PATH_CHARS:
+        return f"an adapter path may be at most {MAX_LORA_PATH_CHARS} characters long"
+    if "\0" in path:
+        return "an adapter path may not hold a NUL character"
+    return None
+
+
+class LoraModule(_Wire):
+    """One adapter to serve: `--lora-modules NAME=PATH`, or its JSON form."""
+
+    name: str
+    path: str  # a local folder with adapter_config.json and adapter_model.safetensors
+    base_model_name: str | None = None  # /v1/models' `parent` (None: the served model)
+
+
+class LoraConfig(_Wire):
+    """`--enable-lora` and its limits: the same for every engine of a server (the head
+    hands them to headless engines in its plan)."""
+
+    max_loras: int = 1  # distinct adapters in one step (and running at once)
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1  # adapters kept loaded in memory (>= max_loras)
+    modules: list[LoraModule] = []  # loaded at start-up
+
+
 class EngineCoreRequest(_Wire):
     """ADD: one sequence to generate. `request_id` is the frontend's internal id."""
 
@@ -167,6 +219,9 @@ class EngineCoreRequest(_Wire):
     # The sequences of one API request (n > 1, several prompts) share a nonzero group,
     # numbered by their API server (client_index): the engine takes turns between groups.
     group: int = 0
+    lora_name: str | None = None  # the LoRA adapter to generate with (None: the base model)
+    # Prefix-cache isolation: only requests with the same salt (and adapter) share KV.
+    cache_salt: str | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -217,6 +272,10 @@ class SchedulerStats(_Wire):
     sleep_level: int = 0
     # Refusing new requests: asleep, or draining its own before it sleeps (mode=wait).
     paused: bool = False
+    # LoRA: bumped by every adapter load or unload (an API server then re-reads the
+    # list), and the adapters loaded in memory now (a balancer may prefer them).
+    lora_version: int = 0
+    lora_loaded: list[str] = []
 
 
 def others_requests(by_client: list[int], client_index: int) -> int:

@@ -16,6 +16,10 @@
 
 #define ZS_TILE 32
 
+/* `gated` of a gate/up weight packed gated: 1 gives silu(gate) * up [M, n]; this gives
+ * the projection itself, [M, 2n] gate then up (for what must come between, LoRA). */
+#define ZS_GATED_RAW 2
+
 /* Output columns of one tile: 32, or 16 gated ones (16 gate and 16 up weight rows). */
 static inline int64_t tile_cols(int gated) { return gated ? ZS_TILE / 2 : ZS_TILE; }
 
@@ -48,7 +52,7 @@ void zs_pack_linear(const bf16 *w, int64_t n, int64_t k, int gated, bf16 *out) {
  * element alone. */
 static inline __attribute__((always_inline)) void linear_rows(
     const bf16 *x, int64_t xs, const bf16 *tile, int64_t k, const float *bias, bf16 *y,
-    float *yf, int64_t ys, const int R, __mmask16 m0, __mmask16 m1, int gated,
+    float *yf, int64_t ys, const int R, __mmask16 m0, __mmask16 m1, int gated, int64_t up,
     const bf16 *next) {
     __m512 acc[8][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -76,6 +80,13 @@ static inline __attribute__((always_inline)) void linear_rows(
             acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
         }
+    }
+    if (gated == ZS_GATED_RAW) { /* gate at y, up `up` columns on */
+        for (int r = 0; r < R; r++) {
+            _mm256_mask_storeu_epi16(y + r * ys, m0, (__m256i)_mm512_cvtneps_pbh(acc[r][0]));
+            _mm256_mask_storeu_epi16(y + r * ys + up, m0, (__m256i)_mm512_cvtneps_pbh(acc[r][1]));
+        }
+        return;
     }
     if (gated) {
         for (int r = 0; r < R; r++) {
@@ -139,14 +150,14 @@ static void linear_tiles(const void *job, int64_t begin, int64_t end) {
             bf16 *yr = yf ? NULL : y + r0 * ys + t * width;
             float *yfr = yf ? yf + r0 * ys + t * width : NULL;
             switch (m - r0 < 8 ? m - r0 : 8) {
-            case 8: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 8, m0, m1, gated, next); break;
-            case 7: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 7, m0, m1, gated, next); break;
-            case 6: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 6, m0, m1, gated, next); break;
-            case 5: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 5, m0, m1, gated, next); break;
-            case 4: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 4, m0, m1, gated, next); break;
-            case 3: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 3, m0, m1, gated, next); break;
-            case 2: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 2, m0, m1, gated, next); break;
-            default: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 1, m0, m1, gated, next); break;
+            case 8: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 8, m0, m1, gated, n, next); break;
+            case 7: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 7, m0, m1, gated, n, next); break;
+            case 6: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 6, m0, m1, gated, n, next); break;
+            case 5: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 5, m0, m1, gated, n, next); break;
+            case 4: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 4, m0, m1, gated, n, next); break;
+            case 3: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 3, m0, m1, gated, n, next); break;
+            case 2: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 2, m0, m1, gated, n, next); break;
+            default: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 1, m0, m1, gated, n, next); break;
             }
         }
     }
@@ -154,7 +165,7 @@ static void linear_tiles(const void *job, int64_t begin, int64_t end) {
 
 /* x [M, K] (row stride xs), packed W, bias fp32 [N] or NULL -> y [M, N] (stride ys),
  * bf16, or with out_f32 fp32 (the bf16-rounded values; not gated); gated (no bias):
- * y = silu(x Gᵀ) * (x Uᵀ). */
+ * y = silu(x Gᵀ) * (x Uᵀ), or with ZS_GATED_RAW y [M, 2N] = [x Gᵀ, x Uᵀ]. */
 void zs_linear(const bf16 *x, int64_t xs, const bf16 *packed, const float *bias, int64_t m,
                int64_t n, int64_t k, int gated, void *y, int64_t ys, int out_f32) {
     const int64_t tiles = (n + tile_cols(gated) - 1) / tile_cols(gated);

@@ -222,6 +222,22 @@ def test_cached_prompt_tokens_are_reported(client):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
 
 
+def test_cache_salt_isolates_the_prefix_cache(client, http):
+    def cached(prompt, salt=None):
+        extra = {} if salt is None else {"cache_salt": salt}
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    prompt = [71] * 40
+    assert cached(prompt, "tenant-a") == 0
+    assert cached(prompt, "tenant-a") == 32  # the same salt shares its blocks
+    assert cached(prompt, "tenant-b") == 0  # another salt never does
+    assert cached(prompt) == 0  # nor does no salt
+    assert cached(prompt, "tenant-b") == 32
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "cache_salt": "s" * 1025})
+    assert_error(r, 400) and "cache_salt" in r.text and "1024" in r.text
+
+
 def test_force_include_usage_puts_usage_on_every_chunk_and_at_the_end(client):
     """vLLM's --enable-force-include-usage: as if include_usage and continuous_usage_stats
     were both set, whatever the request's stream_options say (issue 16, item 5)."""

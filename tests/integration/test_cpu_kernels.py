@@ -152,7 +152,7 @@ def test_the_gate_up_layer_gives_silu_mul_on_every_path():
     want = F.silu(gate) * up
     for kernels in (cpu_kernels.load(), cpu_kernels.load(portable=True), None):
         layer = _Linear(w, kernels=kernels, silu_mul=True)
-        assert layer.fused == (kernels is not None and kernels.use_linear)
+        assert layer.fused == (kernels is not None and kernels.prefer_linear)
         _assert_bf16_close(layer(x), want, max_frac_off=0.1)
 
 

@@ -91,13 +91,12 @@ def _first_step_logits(model_dir, cpu_kernels: str) -> dict[str, torch.Tensor]:
     )
     runner, logits = llm.engine.runner, {}
     native = runner.backend
-    # Every linear layer takes the kernels' matmul where the forward uses it (not where
-    # oneDNN has AMX tiles to run on).
+    # Every linear layer takes the kernels' matmul where they prefer it (not on AMX).
     linears = [native.lm_head] + [
         lin for layer in native.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
     ]
-    fused = native.kernels is not None and native.kernels.use_linear
-    assert all(lin.fused == fused for lin in linears)
+    matmul = native.kernels is not None and native.kernels.prefer_linear
+    assert all(lin.fused == matmul for lin in linears)
     references = {
         "bf16": TransformersBackend(load_model(runner.info, torch.bfloat16, runner.device)),
         "fp32": TransformersBackend(load_model(runner.info, torch.float32, runner.device)),
