@@ -18,6 +18,7 @@ pytestmark = pytest.mark.timeout(180)
 
 KEY = "sk-dev-routes"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+UNDER_LOAD_TOKENS = 900  # each request of the sleep-under-load test (context: 1024)
 KV_BYTES = 128 << 20  # per engine: large enough that its release shows in RSS
 MiB = 2**20
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -317,22 +318,28 @@ async def _cycle_under_load(deployment: ZServe, prompts: list[str]) -> tuple[lis
         async_client(deployment, api_key=KEY) as client,
         httpx.AsyncClient(base_url=deployment.base_url, headers=AUTH, timeout=60) as ahttp,
     ):
-        tasks = [asyncio.create_task(_stream(client, p, 200, e)) for p, e in zip(prompts, firsts)]
+        # Long enough (~900 steps) that a fast machine is still generating at the sleep.
+        tasks = [
+            asyncio.create_task(_stream(client, p, UNDER_LOAD_TOKENS, e))
+            for p, e in zip(prompts, firsts)
+        ]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in firsts)), 60)
-        r = await ahttp.post("/sleep", params={"level": 2, "mode": "keep"})
-        assert r.status_code == 200, r.text
-        kept = sum(e["preempted"] for e in r.json()["engines"])
-        assert kept > 0  # requests were in flight when the engines fell asleep
-        r = await ahttp.post(
-            "/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 2}
-        )
-        assert r.status_code == 503 and r.headers["retry-after"]
-        assert not all(t.done() for t in tasks)  # the kept ones wait for the wake-up
-        assert (await ahttp.post("/wake_up")).status_code == 200
+        try:
+            r = await ahttp.post("/sleep", params={"level": 2, "mode": "keep"})
+            assert r.status_code == 200, r.text
+            kept = sum(e["preempted"] for e in r.json()["engines"])
+            assert kept > 0  # requests were in flight when the engines fell asleep
+            r = await ahttp.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 2}
+            )
+            assert r.status_code == 503 and r.headers["retry-after"]
+            assert not all(t.done() for t in tasks)  # the kept ones wait for the wake-up
+        finally:  # awake again whatever failed: the module's other tests share the engines
+            assert (await ahttp.post("/wake_up")).status_code == 200
         results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         again = [
             client.completions.create(
-                model=MODEL, prompt=p, max_tokens=200, temperature=0.0,
+                model=MODEL, prompt=p, max_tokens=UNDER_LOAD_TOKENS, temperature=0.0,
                 extra_body={"ignore_eos": True},
             )
             for p in prompts
