@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from launcher.logs import setup_logging
-from launcher.process_setup import name_process
+from launcher.process_setup import name_process, set_up_engine_threads
 
 if TYPE_CHECKING:
     from engine_core.config import EngineProcConfig
@@ -34,6 +34,7 @@ class EngineActor:
         """The engine's whole life; its exit code (0 after stop(), 1 after a failure)."""
         setup_logging(f"engine{cfg.rank}", cfg.log_level)
         name_process(f"zserve-engine{cfg.rank}")
+        set_up_engine_threads()
         from engine_core.process import EngineCoreProc
 
         node_id = ray.get_runtime_context().get_node_id()
