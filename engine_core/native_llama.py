@@ -33,6 +33,7 @@ from engine_core.config import EngineConfig
 from engine_core.kv_cache import PagedKVCache
 from engine_core.lora_adapter import LoraTargets, LoraWeights
 from engine_core.model_loader import ModelInfo
+from engine_core.native_linear import Linear
 from engine_core.native_lora import LoraRows, NativeLora, native_targets
 
 logger = logging.getLogger(__name__)
@@ -49,105 +50,19 @@ NATIVE_ARCHITECTURES = {
 }
 
 
-class _Linear:
-    """y = x Wᵀ (+ b), or with `silu_mul` (the fused gate/up weight [2 I, hidden]):
-    silu(x Gᵀ) · (x Uᵀ) [M, I]. With `f32` the answer is fp32: y in the weight's
-    dtype, then widened (the kernels' matmul does both in one pass).
-
-    bf16 weights on CPU are packed once: for the CPU kernels' AVX512-BF16 matmul
-    where `kernels` prefers it (it also fuses the SiLU product; not on AMX CPUs),
-    else into oneDNN's blocked layout (faster than F.linear at decode batch sizes,
-    bit-identical results; BENCHMARKS.md §2); anything else goes through F.linear, so fp32 stays exactly
-    transformers'. A packed weight drops the unpacked one."""
-
-    __slots__ = (
-        "weight", "bias", "packed", "kernels", "fused", "bias_f32", "silu_mul", "width", "f32",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        kernels: cpu_kernels.CpuKernels | None = None,
-        silu_mul: bool = False,
-        f32: bool = False,
-    ) -> None:
-        self.weight, self.bias, self.packed, self.kernels = weight, bias, None, kernels
-        self.silu_mul, self.bias_f32, self.f32 = silu_mul, None, f32
-        self.width = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-        bf16_cpu = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-        self.fused = bf16_cpu and kernels is not None and kernels.prefer_linear
-        if self.fused:
-            self.packed = kernels.pack_linear(weight, gated=silu_mul)
-            self.bias_f32 = None if bias is None else bias.float().contiguous()
-        elif bf16_cpu and _PACKING:
-            try:
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
-                probe = torch.zeros(1, weight.shape[1], dtype=weight.dtype)
-                torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
-                self.packed = packed
-            except (RuntimeError, AttributeError):
-                pass
-        if self.packed is not None:
-            self.weight = None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return self.kernels.linear(
-                x, self.packed, self.bias_f32, self.width, self.silu_mul, self.f32
-            )
-        y = self.project(x)
-        if not self.silu_mul:
-            return y.float() if self.f32 else y
-        return self.activate(y)
-
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        """x Wᵀ (+ b) alone: for `silu_mul` the gate and up halves [M, 2 I], before the
-        product (LoRA adds to them in between)."""
-        if self.fused:
-            return self.kernels.linear(x, self.packed, self.bias_f32, self.width, True, raw=True)
-        if self.packed is not None:
-            rows = x.shape[0]
-            pad = -rows % ROW_BUCKET if rows > ROW_BUCKET else 0
-            if pad:  # a row count oneDNN has already built its kernel for
-                padded = F.pad(x, (0, 0, 0, pad))
-                y = torch.ops.mkldnn._linear_pointwise(
-                    padded, self.packed, self.bias, "none", [], ""
-                )
-                return y[:rows]
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-    def activate(self, y: torch.Tensor) -> torch.Tensor:
-        """silu(gate) · up of a `silu_mul` layer's projection [M, 2 I] → [M, I]."""
-        if self.kernels is not None:
-            return self.kernels.silu_mul(y)
-        gate, up = y.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-
-_PACKING = torch.backends.mkldnn.is_available()
-# oneDNN builds (JIT-compiles) a matmul kernel for each new row count, ~1.1 ms each on
-# this project's AMX Xeon, and a serving engine's steps see hundreds of row counts. Above
-# ROW_BUCKET rows a packed matmul runs on the next multiple of it: a handful of extra rows
-# cost nothing measurable (M=500 → 512: 332 → 298 us for qkv), so each kernel is built
-# once for 16 row counts.
-ROW_BUCKET = 16
-
-
 @dataclass
 class _Layer:
     """One decoder layer's weights; `index` is what the attention function keys on."""
 
     layer_idx: int
     input_norm: torch.Tensor
-    qkv: _Linear  # [(Hq + 2 Hkv) D, hidden]
+    qkv: Linear  # [(Hq + 2 Hkv) D, hidden]
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: _Linear
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: _Linear  # [2 I, hidden], called for silu(gate) · up
-    down: _Linear
+    gate_up: Linear  # [2 I, hidden], called for silu(gate) · up
+    down: Linear
     sliding_window: int | None
 
 
@@ -238,8 +153,8 @@ class NativeLlamaBackend:
             bias: torch.Tensor | None = None,
             silu_mul: bool = False,
             f32: bool = False,
-        ) -> _Linear:
-            return _Linear(weight, bias, self.kernels, silu_mul, f32)
+        ) -> Linear:
+            return Linear(weight, bias, self.kernels, silu_mul, f32)
 
         self.embed = w.get("model.embed_tokens.weight")
         self.norm = w.get("model.norm.weight")
@@ -438,9 +353,7 @@ class NativeLlamaBackend:
         return self.lm_head(k.rms_norm(last, self.norm, eps))
 
 
-def _lora_linear(
-    linear: _Linear, x: torch.Tensor, lora: LoraRows | None, slot: int
-) -> torch.Tensor:
+def _lora_linear(linear: Linear, x: torch.Tensor, lora: LoraRows | None, slot: int) -> torch.Tensor:
     """linear(x), plus the step's LoRA rows of projection `slot` where any adapter has it."""
     y = linear(x)
     if lora is not None and lora.has[slot]:

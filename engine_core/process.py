@@ -2,9 +2,10 @@
 
     input thread   DEALER per API server → decode → input queue
     busy loop      drain inputs → step → queue outputs → publish load   (owns torch)
-    output thread  output queue → encode → PUSH to sockets[client_index]
+    output thread  output queue → encode → PUSH to sockets[client_index]   (output_thread.py)
 
-What each API server hears of this engine's load, and when, is client_load.py's.
+The handshake and the sockets are engine_links.py's, the utility calls utility_calls.py's;
+what each API server hears of this engine's load, and when, is client_load.py's.
 
 ZMQ and msgpack release the GIL, so encoding and sending step N's outputs overlap
 the forward of step N+1.
@@ -12,7 +13,6 @@ the forward of step N+1.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import queue
@@ -20,8 +20,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -29,12 +27,12 @@ from zmq.utils.monitor import recv_monitor_message
 from engine_core.client_load import HEARTBEAT_S, STATS_INTERVAL_S, ClientLoad, load_key
 from engine_core.config import EngineProcConfig
 from engine_core.device import release_free_memory
-from engine_core.lora_adapter import LoraError
+from engine_core.engine_links import await_plan, connect_links, open_handshake
+from engine_core.output_thread import DEAD, HEARTBEAT, LOAD, run_output_thread
+from engine_core.utility_calls import dispatch, failure_message
 from protocol import codec
-from protocol.controls import CONTROL_METHODS
-from protocol.handshake import EngineHello, EnginePlan, decode_handshake, encode_handshake
+from protocol.handshake import EnginePlan, encode_handshake
 from protocol.messages import (
-    ENGINE_CORE_DEAD,
     PROTOCOL_VERSION,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -47,30 +45,17 @@ from protocol.messages import (
     UtilityResult,
     error_output,
 )
-from protocol.sockets import make_socket, needs_curve, rank_identity
 
 log = logging.getLogger("zserve.engine")
 
 RELEASE_MEMORY_S = 2.0  # at most this often, and only once idle
-
-UTILITY_METHODS = (
-    "reset_prefix_cache",
-    "make_stats",
-    "ping",
-    "add_lora",
-    "remove_lora",
-    "list_loras",
-)
 
 
 class _Shutdown(Exception):
     pass
 
 
-_HEARTBEAT = object()
-_DEAD = object()
 _CLIENT_GONE = object()  # input-queue kind: an API server went away
-_LOAD = object()  # output-queue item: tell each API server of a change in the others' load
 
 
 class EngineCoreProc:
@@ -97,63 +82,15 @@ class EngineCoreProc:
     # --- start-up -----------------------------------------------------------------
 
     def handshake(self) -> EnginePlan:
-        """HELLO → PLAN. A DEALER connecting to an address nobody binds yet simply
-        waits, so an engine started before its head waits for it."""
-        address = self.cfg.handshake_address
-        sock = make_socket(
-            self.ctx,
-            zmq.DEALER,
-            curve=self.cfg.curve if needs_curve(address) else None,
-            identity=rank_identity(self.rank),
-        )
-        self.handshake_socket = sock
-        sock.connect(address)
-        hello = EngineHello(
-            PROTOCOL_VERSION,
-            self.rank,
-            self.cfg.local,
-            self.cfg.headless,
-            os.getpid(),
-            socket.gethostname(),
-        )
-        sock.send(encode_handshake("hello", hello))
-        deadline = time.monotonic() + self.cfg.ready_timeout_s
-        while not self.stop.is_set():
-            if sock.poll(200):
-                kind, body = decode_handshake(sock.recv())
-                if kind != "plan":
-                    raise RuntimeError(f"handshake: expected a plan, got {kind!r}")
-                if body.error:
-                    raise RuntimeError(f"the head refused engine {self.rank}: {body.error}")
-                return body
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"engine {self.rank}: no answer from the head at {address} within "
-                    f"{self.cfg.ready_timeout_s:.0f} s (--engine-ready-timeout)"
-                )
-        raise _Shutdown()
+        """HELLO → PLAN (engine_links.py); the socket stays for READY."""
+        self.handshake_socket = open_handshake(self.ctx, self.cfg, self.rank)
+        plan = await_plan(self.handshake_socket, self.cfg, self.rank, self.stop)
+        if plan is None:
+            raise _Shutdown()
+        return plan
 
     def connect(self, plan: EnginePlan) -> None:
-        # An engine never binds: each of its sockets is a CURVE client that pins the
-        # server's public key (make_socket), so it needs no ZAP handler of its own.
-        for address in plan.input_addresses:
-            sock = make_socket(
-                self.ctx,
-                zmq.DEALER,
-                curve=self.cfg.curve if needs_curve(address) else None,
-                identity=rank_identity(self.rank),
-            )
-            sock.connect(address)
-            self.inputs.append(sock)
-        for address in plan.output_addresses:
-            sock = make_socket(
-                self.ctx,
-                zmq.PUSH,
-                curve=self.cfg.curve if needs_curve(address) else None,
-                linger_ms=2000,
-            )
-            sock.connect(address)
-            self.outputs.append(sock)
+        self.inputs, self.outputs = connect_links(self.ctx, self.cfg, self.rank, plan)
         self.client_load = ClientLoad(len(self.outputs))
 
     def take_lora_settings(self, plan: EnginePlan) -> None:
@@ -251,63 +188,17 @@ class EngineCoreProc:
             )
             self.input_queue.put((_CLIENT_GONE, index))
 
-    def output_thread(self) -> None:
-        """Owns the PUSH sockets: everything bound for an API server goes through here."""
-        while True:
-            item = self.output_queue.get()
-            if item is None:
-                return
-            client_index, message = item
-            if message is _HEARTBEAT:
-                message = EngineCoreOutputs(
-                    engine_index=self.rank, scheduler_stats=self.stats, timestamp=time.time()
-                )
-                data = codec.encode(message)
-                for index, sock in enumerate(self.outputs):
-                    self.client_load.note_told(index, message.scheduler_stats)
-                    sock.send(data, copy=False)
-            elif message is _LOAD:
-                self.send_load_updates()
-            elif message is _DEAD:
-                for sock in self.outputs:
-                    sock.send_multipart([ENGINE_CORE_DEAD, rank_identity(self.rank)])
-            elif 0 <= client_index < len(self.outputs):
-                if message.scheduler_stats is not None:
-                    self.client_load.note_told(client_index, message.scheduler_stats)
-                self.outputs[client_index].send(codec.encode(message), copy=False)
-            else:
-                log.warning("engine %d: output for unknown client %d", self.rank, client_index)
-
     def queue_load_update(self) -> None:
         """Ask the output thread to tell the API servers of a change in their load
         (at most one such request waits in its queue)."""
         if self.client_load.claim_update():
-            self.output_queue.put((-1, _LOAD))
-
-    def send_load_updates(self) -> None:
-        """Output thread: each API server whose view of the other servers' requests
-        here is out of date hears the current counts, with the last stats."""
-        by_client = self.client_load.begin_update()
-        stats = None
-        for index, sock in enumerate(self.outputs):
-            if not self.client_load.is_stale(index, by_client):
-                continue
-            if stats is None:
-                stats = copy.copy(self.stats)  # the busy loop's, as it was last made
-                stats.num_requests_by_client = by_client
-                data = codec.encode(
-                    EngineCoreOutputs(
-                        engine_index=self.rank, scheduler_stats=stats, timestamp=time.time()
-                    )
-                )
-            self.client_load.note_told(index, stats)
-            sock.send(data, copy=False)
+            self.output_queue.put((-1, LOAD))
 
     def heartbeat_thread(self) -> None:
         """Liveness for every API server, whatever the busy loop does. The stats it
         carries include the step counter, so a hung loop is visible too."""
         while not self.stop.wait(HEARTBEAT_S):
-            self.output_queue.put((-1, _HEARTBEAT))
+            self.output_queue.put((-1, HEARTBEAT))
 
     # --- the busy loop ------------------------------------------------------------
 
@@ -362,7 +253,7 @@ class EngineCoreProc:
         """Every API server hears this engine's state now (a sleep or wake-up), not at
         the next heartbeat."""
         self.stats = self._make_stats()
-        self.output_queue.put((-1, _HEARTBEAT))
+        self.output_queue.put((-1, HEARTBEAT))
 
     def end_all_requests(self, message: str) -> int:
         """End every request of this engine with an UNAVAILABLE error (a 503)."""
@@ -388,23 +279,10 @@ class EngineCoreProc:
             self._reply_utility(int(client_index), UtilityResult(call.call_id, value, failure))
 
         try:
-            if call.method in CONTROL_METHODS:
-                self.controls.handle(call.method, args, reply)
-            elif call.method not in UTILITY_METHODS:
-                reply(failure=f"unknown method {call.method!r}")
-            elif call.method == "ping":
-                reply("pong")
-            else:
-                value = getattr(self.engine, call.method)(*args)
-                if isinstance(value, Future):
-                    # Answered when done (a LoRA load, on its own thread): the busy loop
-                    # takes the result in, and this callback answers then.
-                    value.add_done_callback(lambda done: _reply_when_done(done, reply))
-                else:
-                    reply(value)
+            dispatch(call.method, args, self.engine, self.controls, reply)
         except Exception as e:  # a failed utility call must not kill the engine
             log.warning("engine %d: utility %s failed: %s", self.rank, call.method, e)
-            reply(failure=_failure(e))
+            reply(failure=failure_message(e))
 
     def _reply_utility(self, client_index: int, result: UtilityResult) -> None:
         self.output_queue.put(
@@ -510,7 +388,9 @@ class EngineCoreProc:
             self.load()
             threads = [
                 threading.Thread(target=self.input_thread, name="engine-input", daemon=True),
-                threading.Thread(target=self.output_thread, name="engine-output", daemon=True),
+                threading.Thread(
+                    target=run_output_thread, args=(self,), name="engine-output", daemon=True
+                ),
                 threading.Thread(target=self.heartbeat_thread, name="engine-beat", daemon=True),
             ]
             for t in threads:
@@ -531,7 +411,7 @@ class EngineCoreProc:
             return 0
         except Exception:
             log.exception("engine %d failed", self.rank)
-            self.output_queue.put((-1, _DEAD))
+            self.output_queue.put((-1, DEAD))
             return 1
         finally:
             self.stop.set()
@@ -561,19 +441,3 @@ def run_engine_core(cfg: EngineProcConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     return proc.run()
-
-
-def _reply_when_done(done: Future, reply: Callable[..., None]) -> None:
-    error = done.exception()
-    if error is None:
-        reply(done.result())
-    else:
-        reply(failure=_failure(error))
-
-
-def _failure(error: BaseException) -> str:
-    """A failed utility call's message: a LoRA refusal as is (the API server answers it
-    to the client), anything else with its type."""
-    if isinstance(error, LoraError):
-        return str(error)
-    return f"{type(error).__name__}: {error}"

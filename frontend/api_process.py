@@ -14,7 +14,8 @@ from multiprocessing.connection import Connection
 from frontend.admission import Admission
 from frontend.config import APIServerConfig
 from frontend.control import ControlMessage, EndpointsBound, EngineDead, Serving
-from frontend.engine_client import ClientConfig, EngineClient
+from frontend.engine_client import EngineClient
+from frontend.engine_state import ClientConfig
 from frontend.errors import APIError
 from frontend.memory import release_free_memory
 from frontend.metrics import Metrics

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from frontend.engine_client import RequestStream
+from frontend.engine_state import RequestStream
 from frontend.errors import APIError
 from frontend.generation import Choice, ChoiceDelta, Generation
 from frontend.openai_models import SamplingFields

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from frontend.engine_client import EngineClient, EngineDeadError, EngineState
+from frontend.engine_client import EngineClient
+from frontend.engine_state import EngineDeadError, EngineState
 from frontend.errors import APIError
 from protocol.controls import (
     COLLECTIVE_RPC,

@@ -15,7 +15,8 @@ from typing import Protocol
 import msgspec
 
 from frontend.detokenizer import IncrementalDetokenizer
-from frontend.engine_client import EngineClient, EngineState, RequestStream
+from frontend.engine_client import EngineClient
+from frontend.engine_state import EngineState, RequestStream
 from frontend.errors import APIError, asleep_error
 from protocol.messages import (
     EngineCoreOutput,

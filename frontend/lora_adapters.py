@@ -22,7 +22,8 @@ import logging
 import os
 
 from frontend.config import FrontendConfig
-from frontend.engine_client import EngineClient, EngineState
+from frontend.engine_client import EngineClient
+from frontend.engine_state import EngineState
 from frontend.errors import APIError
 from protocol.messages import check_lora_name, check_lora_path
 

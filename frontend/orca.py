@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
-from frontend.engine_client import EngineState
+from frontend.engine_state import EngineState
 
 REQUEST_HEADER = "endpoint-load-metrics-format"
 RESPONSE_HEADER = "endpoint-load-metrics"

@@ -12,7 +12,8 @@ from frontend.admission import Admission, AdmissionRejected
 from frontend.beam_search import BeamGeneration
 from frontend.chat_tools import load_chat_parsers
 from frontend.config import FrontendConfig
-from frontend.engine_client import EngineAsleepError, EngineClient, EngineDeadError
+from frontend.engine_client import EngineClient
+from frontend.engine_state import EngineAsleepError, EngineDeadError
 from frontend.errors import APIError, asleep_error
 from frontend.generation import Choice, Generation
 from frontend.limits import check_prompt_chars

@@ -24,7 +24,6 @@ import shutil
 import sys
 import sysconfig
 import tempfile
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,7 +136,7 @@ def build_tiny_model(
     if size == "small" and arch != "llama":
         raise ValueError("size 'small' exists only for arch 'llama'")
     out = Path(out_dir)
-    if not force and _is_occupied(out):
+    if not force and is_occupied(out):
         raise FileExistsError(f"{out} already exists; use --force to replace it")
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -145,83 +144,7 @@ def build_tiny_model(
     try:
         _write_model_folder(staging, arch, size)
         os.chmod(staging, 0o755)
-        _move_into_place(staging, out, force)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
-
-
-# What --lora-targets names, per architecture's module names (PEFT's target_modules).
-LORA_TARGETS = {
-    "all": "all-linear",
-    "attention": ["q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"],
-    "qv": ["q_proj", "v_proj", "qkv_proj"],
-    "mlp": ["gate_proj", "up_proj", "down_proj", "gate_up_proj"],
-}
-
-
-def build_tiny_lora(
-    model_dir: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    *,
-    seed: int = 0,
-    rank: int = 8,
-    alpha: float = 16,
-    targets: str = "all",
-    use_rslora: bool = False,
-    force: bool = False,
-) -> Path:
-    """Write a random LoRA adapter for the model at `model_dir` with PEFT, in its format
-    (adapter_config.json + adapter_model.safetensors), deterministically from `seed`.
-
-    Both A and B are drawn (PEFT's own init leaves B zero: an adapter that changes
-    nothing), from N(0, the base's initializer_range), so the adapter moves greedy
-    output about as much as the base weights themselves."""
-    try:
-        import torch
-        from peft import LoraConfig, get_peft_model
-        from transformers import AutoModelForCausalLM
-    except ImportError as e:
-        raise ValueError(f"--lora needs the peft package (pip install peft): {e}") from None
-    if targets not in LORA_TARGETS:
-        raise ValueError(
-            f"unknown LoRA targets {targets!r}; choose one of {', '.join(LORA_TARGETS)}"
-        )
-    out = Path(out_dir)
-    if not force and _is_occupied(out):
-        raise FileExistsError(f"{out} already exists; use --force to replace it")
-    with torch.random.fork_rng(devices=[]), _progress_bars_off(), warnings.catch_warnings():
-        # peft asks transformers about gradient checkpointing in a deprecated way.
-        warnings.simplefilter("ignore", FutureWarning)
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        wanted = LORA_TARGETS[targets]
-        if isinstance(wanted, list):  # only the names this architecture has
-            present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-            wanted = [t for t in wanted if t in present]
-        config = LoraConfig(
-            r=rank,
-            lora_alpha=alpha,
-            target_modules=wanted,
-            lora_dropout=0.0,
-            bias="none",
-            use_rslora=use_rslora,
-            init_lora_weights=False,
-            task_type="CAUSAL_LM",
-        )
-        peft_model = get_peft_model(model, config)
-        generator = torch.Generator().manual_seed(seed)
-        std = getattr(model.config, "initializer_range", 0.02)
-        for name, param in sorted(peft_model.named_parameters()):
-            if ".lora_A." in name or ".lora_B." in name:
-                param.data.normal_(0.0, std, generator=generator)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
-    try:
-        with _progress_bars_off():
-            peft_model.save_pretrained(staging)
-        os.chmod(staging, 0o755)
-        _move_into_place(staging, out, force)
+        move_into_place(staging, out, force)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
@@ -237,22 +160,22 @@ def default_model_dir() -> Path:
 def ensure_default_model() -> Path:
     """Return the default model's folder, building it the first time (once, under a file lock)."""
     out = default_model_dir()
-    if _is_occupied(out):
+    if is_occupied(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _is_occupied(out):  # another process may have built it while we waited
+        if not is_occupied(out):  # another process may have built it while we waited
             logger.info("building the default model (random weights) into %s", out)
             build_tiny_model(out, arch="llama", size="small")
     return out
 
 
-def _is_occupied(path: Path) -> bool:
+def is_occupied(path: Path) -> bool:
     return path.exists() and (not path.is_dir() or any(path.iterdir()))
 
 
-def _move_into_place(staging: Path, out: Path, force: bool) -> None:
+def move_into_place(staging: Path, out: Path, force: bool) -> None:
     # rename(2) replaces an empty directory atomically and refuses a non-empty one, so of two
     # concurrent builders exactly one wins, and `out` is never seen half-written.
     old = None
@@ -304,13 +227,13 @@ def _write_model_folder(folder: Path, arch: str, size: str) -> None:
         eos_token_id=stop[0] if len(stop) == 1 else stop,
         pad_token_id=ids[recipe.pad],
     )
-    with _progress_bars_off():
+    with progress_bars_off():
         model.save_pretrained(folder)
     _add_legacy_fields(folder, recipe)
 
 
 @contextlib.contextmanager
-def _progress_bars_off() -> Iterator[None]:
+def progress_bars_off() -> Iterator[None]:
     from transformers.utils import logging as hf_logging
 
     was_on = hf_logging.is_progress_bar_enabled()
@@ -436,6 +359,8 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `zserve make-tiny-model DIR [--arch A] [--size S] [--force]`."""
+    from launcher.tiny_lora import LORA_TARGETS
+
     parser = subparsers.add_parser(
         "make-tiny-model",
         help="build a random-weight model folder offline (for tests and benchmarks)",
@@ -468,6 +393,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """The `make-tiny-model` command; returns the exit code."""
+    from launcher.tiny_lora import build_tiny_lora
+
     existing = args.lora and (args.dir / "config.json").is_file() and not args.force
     try:
         if existing:

@@ -8,13 +8,11 @@ import concurrent.futures
 import httpx
 import openai
 import pytest
-import torch
 from e2e_http import SMALL_KV, assert_error
-from peft import PeftModel
-from transformers import AutoModelForCausalLM
+from hf_generate import hf_greedy
 from zserve_proc import ZServe
 
-from launcher.tiny_model import build_tiny_lora
+from launcher.tiny_lora import build_tiny_lora
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,20 +23,7 @@ NUM_NEW = 8
 
 
 def peft_greedy(model_dir, adapter) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
-    ids = torch.tensor([PROMPT])
-    out = model.eval().generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=NUM_NEW,
-        min_new_tokens=NUM_NEW,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    return out[0, len(PROMPT) :].tolist()
+    return hf_greedy(model_dir, [PROMPT], NUM_NEW, adapter)[0]
 
 
 @pytest.fixture(scope="module")

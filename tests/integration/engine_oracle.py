@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import hf_generate
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -36,21 +37,7 @@ def greedy(num_new: int = NUM_NEW, **overrides: object) -> SamplingParams:
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], num_new: int = NUM_NEW) -> list[list[int]]:
     """transformers' generate(), one prompt at a time, fp32: the correctness oracle."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=num_new,
-            min_new_tokens=num_new,
-            eos_token_id=None,
-            pad_token_id=None,
-        )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return hf_generate.hf_greedy(model_dir, prompts, num_new)
 
 
 def hf_log_softmax(model_dir: Path, tokens: list[int]) -> torch.Tensor:

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from engine_core import cpu_kernels
-from engine_core.native_llama import NativeLlamaBackend, _Linear
+from engine_core.native_linear import Linear
+from engine_core.native_llama import NativeLlamaBackend
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -151,7 +152,7 @@ def test_the_gate_up_layer_gives_silu_mul_on_every_path():
     gate, up = F.linear(x, w).chunk(2, dim=-1)
     want = F.silu(gate) * up
     for kernels in (cpu_kernels.load(), cpu_kernels.load(portable=True), None):
-        layer = _Linear(w, kernels=kernels, silu_mul=True)
+        layer = Linear(w, kernels=kernels, silu_mul=True)
         assert layer.fused == (kernels is not None and kernels.prefer_linear)
         _assert_bf16_close(layer(x), want, max_frac_off=0.1)
 

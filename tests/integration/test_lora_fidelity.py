@@ -6,13 +6,11 @@ preemption."""
 from __future__ import annotations
 
 import pytest
-import torch
 from engine_oracle import SMALL_KV, greedy, make_prompts
-from peft import PeftModel
-from transformers import AutoModelForCausalLM
+from hf_generate import hf_greedy
 
 from engine_core.llm import LLM
-from launcher.tiny_model import build_tiny_lora
+from launcher.tiny_lora import build_tiny_lora
 from protocol.messages import LoraConfig, LoraModule
 
 pytestmark = pytest.mark.timeout(180)
@@ -33,24 +31,7 @@ NAMES = [None, "a", "b", "a", "b", None]  # base and two adapters, interleaved
 
 def merged_greedy(model_dir, adapter, prompts) -> list[list[int]]:
     """transformers' generate() with the adapter merged into the weights (PEFT), fp32."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter).merge_and_unload()
-    model.eval()
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=NUM_NEW,
-            min_new_tokens=NUM_NEW,
-            eos_token_id=None,
-            pad_token_id=None,
-        )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return hf_greedy(model_dir, prompts, NUM_NEW, adapter)
 
 
 @pytest.fixture(scope="module")

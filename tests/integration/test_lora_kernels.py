@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from engine_core import cpu_kernels
 from engine_core.llm import LLM
 from engine_core.native_lora import LoraRows
-from launcher.tiny_model import build_tiny_lora
+from launcher.tiny_lora import build_tiny_lora
 from protocol.messages import EngineCoreRequest, LoraConfig, LoraModule, SamplingParams
 
 pytestmark = pytest.mark.timeout(120)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from benchmarks.parity import DEFAULT, FLAGS, Answer, _shape, _stream_shape, differences
+from benchmarks.parity import Answer, _shape, _stream_shape, differences
+from benchmarks.parity_cases import DEFAULT, FLAGS
 
 
 def answer(doc: dict, status: int = 200, value=None) -> Answer:

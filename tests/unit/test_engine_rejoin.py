@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from frontend.engine_client import ClientConfig, EngineClient, EngineDeadError, RequestStream
+from frontend.engine_client import EngineClient
+from frontend.engine_state import ClientConfig, EngineDeadError, RequestStream
 from protocol import codec
 from protocol.messages import PROTOCOL_VERSION, EngineReady, SchedulerStats
 from protocol.sockets import ipc_address, rank_identity

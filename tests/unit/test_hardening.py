@@ -11,7 +11,8 @@ import pytest
 from jinja2 import TemplateError, TemplateSyntaxError
 
 from frontend.chat_prompt import template_error
-from frontend.engine_client import ClientConfig, EngineClient
+from frontend.engine_client import EngineClient
+from frontend.engine_state import ClientConfig
 from frontend.errors import APIError
 from frontend.limits import (
     RequestLimits,

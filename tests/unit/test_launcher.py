@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import plan, serve_args
+from launcher import arg_types, plan, serve_args
 from launcher.models import ModelNotFoundError, resolve_model
 from launcher.plan import cpu_share, engine_threads, refuse_unsupported
 
@@ -40,9 +40,9 @@ def test_a_plain_serve_is_not_refused():
 
 
 def test_cpu_lists_and_even_shares():
-    assert serve_args.cpu_list("0-3,6") == [0, 1, 2, 3, 6]
+    assert arg_types.cpu_list("0-3,6") == [0, 1, 2, 3, 6]
     with pytest.raises(argparse.ArgumentTypeError):
-        serve_args.cpu_list("a-b")
+        arg_types.cpu_list("a-b")
     assert cpu_share([2, 3, 4, 5], 1, 2) == [4, 5]
     assert cpu_share([1], 0, 2) == [1]  # too few to split: both share it
     assert cpu_share(None, 0, 2) is None

@@ -14,10 +14,11 @@ from test_launch_plan import parse
 from engine_core.config import EngineConfig, EngineProcConfig
 from engine_core.process import EngineCoreProc
 from launcher import plan
+from launcher.arg_types import lora_module
 from launcher.engine_handshake import engine_plan
 from launcher.plan import build_plan
-from launcher.serve_args import lora_module
-from launcher.tiny_model import build_tiny_lora, run
+from launcher.tiny_lora import build_tiny_lora
+from launcher.tiny_model import run
 from protocol.handshake import decode_handshake, encode_handshake
 from protocol.messages import LoraConfig, LoraModule
 
