@@ -210,6 +210,33 @@ def test_hostile_loads_are_refused_naming_the_field(server, body, status, param,
     assert_error(r, status, param=param, contains=[contains])
 
 
+def test_a_flood_of_maximal_loads_leaves_the_server_healthy_and_bounded(server):
+    """Names and paths at their limits, and a folder that is not an adapter: each a fast
+    4xx; meanwhile /health answers and the API servers' memory stays put."""
+
+    def api_rss() -> int:
+        info = httpx.get(server.base_url + "/server_info", headers=AUTH, timeout=30).json()
+        status = open(f"/proc/{info['pid']}/status").read()
+        return int(status.split("VmRSS:")[1].split()[0]) * 1024
+
+    url = server.base_url + "/v1/load_lora_adapter"
+    bodies = [
+        {"lora_name": "n" * 128, "lora_path": "/" + "p" * 4095},
+        {"lora_name": "n" * 128, "lora_path": "/etc"},
+        {"lora_name": "x" * 10_000, "lora_path": "/" + "p" * 100_000},
+    ]
+    before = api_rss()
+    with httpx.Client(headers=AUTH, timeout=60) as c:
+        for i in range(150):
+            r = c.post(url, json=bodies[i % len(bodies)])
+            assert 400 <= r.status_code < 500, r.text[:300]
+            if i % 25 == 0:
+                assert c.get(server.base_url + "/health", timeout=5).status_code == 200
+    assert api_rss() - before < 50 << 20
+    models = httpx.get(server.base_url + "/v1/models", headers=AUTH).json()["data"]
+    assert not [m["id"] for m in models if m["id"].startswith(("n" * 8, "x" * 8))]
+
+
 def test_an_adapter_above_max_lora_rank_or_not_json_is_refused(server, adapters):
     _, paths, _ = adapters
     url = server.base_url + "/v1/load_lora_adapter"

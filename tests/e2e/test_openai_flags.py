@@ -234,8 +234,12 @@ def test_cache_salt_isolates_the_prefix_cache(client, http):
     assert cached(prompt, "tenant-b") == 0  # another salt never does
     assert cached(prompt) == 0  # nor does no salt
     assert cached(prompt, "tenant-b") == 32
+    assert cached(prompt, "m" * 1024) == 0  # the longest salt allowed
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "cache_salt": "s" * 1025})
     assert_error(r, 400) and "cache_salt" in r.text and "1024" in r.text
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "cache_salt": 7})
+    assert_error(r, 400) and "cache_salt" in r.text
+    assert http.get("/health").status_code == 200
 
 
 def test_force_include_usage_puts_usage_on_every_chunk_and_at_the_end(client):
