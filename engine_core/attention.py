@@ -48,6 +48,9 @@ class PagedRows:
     row_table: torch.Tensor  # int32 [N] which table each row reads
     row_len: torch.Tensor  # int32 [N] position + 1
     max_len: int  # the longest row_len
+    # Row ranges [a, b) the kernel attends; the rest are the metadata's `prefills`,
+    # chunks long enough that a tiled attention over their gathered context is faster.
+    kernel_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -274,15 +277,38 @@ def paged_attention(
             v = value[:, :, chunk.start : chunk.end]
             res = _chunk_attention(q, k, v, None, scaling, softcap)
         else:
-            context = chunk.num_computed + chunk.end - chunk.start
-            index = chunk.gather_index
-            k = k_blocks.index_select(0, index).view(1, num_kv_heads, -1, head_dim)[:, :, :context]
-            v = v_blocks.index_select(0, index).view(1, num_kv_heads, -1, head_dim)[:, :, :context]
-            res = _chunk_attention(
-                q, k, v, attn_meta.prefill_mask(i, sliding_window), scaling, softcap
+            res = cached_chunk_attention(
+                q, k_cache, v_cache, attn_meta, i, scaling, sliding_window, softcap
             )
         out[0, chunk.start : chunk.end] = res[0].transpose(0, 1)
     return out, None
+
+
+def cached_chunk_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attn_meta: AttentionMetadata,
+    index: int,
+    scaling: float,
+    window: int | None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Chunk `index` of attn_meta.prefills (q [1,Hq,T,D]) over its whole context, its
+    own new K/V included, gathered from the cache blocks → [1,Hq,T,D]."""
+    chunk = attn_meta.prefills[index]
+    _, num_kv_heads, block_size, head_dim = k_cache.shape
+    context = chunk.num_computed + chunk.end - chunk.start
+    rows = chunk.gather_index
+    k = k_cache.view(-1, block_size, head_dim).index_select(0, rows)
+    v = v_cache.view(-1, block_size, head_dim).index_select(0, rows)
+    k = k.view(1, num_kv_heads, -1, head_dim)[:, :, :context]
+    v = v.view(1, num_kv_heads, -1, head_dim)[:, :, :context]
+    if chunk.num_computed == 0 and window is None:
+        mask = None  # plain causal
+    else:
+        mask = attn_meta.prefill_mask(index, window)
+    return _chunk_attention(q, k, v, mask, scaling, softcap)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

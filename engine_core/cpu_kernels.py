@@ -175,13 +175,16 @@ class CpuKernels:
         window: int | None,
         softcap: float | None,
         max_len: int,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [N, Hq * D] (rows may be strided) → [N, Hq * D]: row n attends to the first
         row_len[n] positions of the sequence whose block table is tables[row_table[n]]
-        (int32 [S, width]; row_table and row_len int32 [N]; max_len >= every row_len)."""
+        (int32 [S, width]; row_table and row_len int32 [N]; max_len >= every row_len).
+        `out`, if given, takes the result (rows may be strided)."""
         rows = q.shape[0]
         _, num_kv_heads, block_size, head_dim = k_cache.shape
-        out = torch.empty(rows, num_heads * head_dim, dtype=q.dtype)
+        if out is None:
+            out = torch.empty(rows, num_heads * head_dim, dtype=q.dtype)
         self._attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             tables.data_ptr(), tables.stride(0), row_table.data_ptr(), row_len.data_ptr(),

@@ -25,7 +25,9 @@ from engine_core import cpu_kernels
 from engine_core.attention import (
     AttentionMetadata,
     PagedRows,
+    PrefillChunk,
     StepBatch,
+    cached_chunk_attention,
     paged_attention,
     torch_metadata,
 )
@@ -37,6 +39,12 @@ from engine_core.native_linear import Linear
 from engine_core.native_lora import LoraRows, NativeLora, native_targets
 
 logger = logging.getLogger(__name__)
+
+# A prefill chunk of at least this many rows, attending to at least this many
+# (row, key) pairs, takes SDPA's tiled attention instead of the kernel's row walks:
+# from there on it is faster (BENCHMARKS.md §2, "Figures behind the code").
+DENSE_MIN_ROWS = 16
+DENSE_MIN_WORK = 16384
 
 # architecture -> (transformers module, rotary class)
 NATIVE_ARCHITECTURES = {
@@ -339,10 +347,7 @@ class NativeLlamaBackend:
                 qkv, positions, self.cos, self.sin, hq, hkv, d, k_cache, v_cache,
                 rows.slots, layer.q_norm, layer.k_norm, eps,
             )  # fmt: skip
-            attn = k.paged_attention(
-                qkv[:, : hq * d], k_cache, v_cache, rows.tables, rows.row_table, rows.row_len,
-                hq, self.scaling, layer.sliding_window, None, rows.max_len,
-            )  # fmt: skip
+            attn = self._kernel_attention(qkv[:, : hq * d], k_cache, v_cache, attn_meta, layer)
             o = _lora_linear(layer.o, attn, lora, 4 * i + 1)
             x = k.rms_norm(o, layer.post_norm, eps, residual=hidden)
             down = self._mlp(layer, x, lora, i)
@@ -351,6 +356,38 @@ class NativeLlamaBackend:
         # Only the rows that sample need the last residual add and the final norm.
         last = hidden.index_select(0, logits_indices) + down.index_select(0, logits_indices)
         return self.lm_head(k.rms_norm(last, self.norm, eps))
+
+    def _kernel_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn_meta: AttentionMetadata,
+        layer: _Layer,
+    ) -> torch.Tensor:
+        """The kernel's per-row attention, except for long prefill chunks: those take
+        SDPA's tiled attention over their gathered context (BENCHMARKS.md §2)."""
+        rows, hq, window = attn_meta.rows, self.num_heads, layer.sliding_window
+        if not attn_meta.prefills:
+            return self.kernels.paged_attention(
+                q, k_cache, v_cache, rows.tables, rows.row_table, rows.row_len,
+                hq, self.scaling, window, None, rows.max_len,
+            )  # fmt: skip
+        out = torch.empty(q.shape, dtype=q.dtype)
+        for a, b in rows.kernel_spans:
+            self.kernels.paged_attention(
+                q[a:b], k_cache, v_cache, rows.tables, rows.row_table[a:b], rows.row_len[a:b],
+                hq, self.scaling, window, None, rows.max_len, out=out[a:b],
+            )  # fmt: skip
+        d = self.head_dim
+        for i, chunk in enumerate(attn_meta.prefills):
+            n = chunk.end - chunk.start
+            chunk_q = q[chunk.start : chunk.end].view(n, hq, d).transpose(0, 1)[None]
+            res = cached_chunk_attention(
+                chunk_q, k_cache, v_cache, attn_meta, i, self.scaling, window
+            )
+            out[chunk.start : chunk.end] = res[0].transpose(0, 1).reshape(n, hq * d)
+        return out
 
 
 def _lora_linear(linear: Linear, x: torch.Tensor, lora: LoraRows | None, slot: int) -> torch.Tensor:
@@ -369,14 +406,26 @@ def _paged_rows_metadata(batch: StepBatch, cache: PagedKVCache) -> AttentionMeta
     tables: list[list[int]] = []
     row_table: list[int] = []
     slots: list[int] = []
+    dense: list[PrefillChunk] = []
+    spans: list[tuple[int, int]] = []
+    row = 0
     for i, (blocks, start, n) in enumerate(batch.sequences):
-        tables.append(blocks[: -(-(start + n) // bs)])
+        table = blocks[: -(-(start + n) // bs)]
+        tables.append(table)
         if n == 1:
             row_table.append(i)
             slots.append(blocks[start // bs] * bs + start % bs)
         else:
             row_table.extend([i] * n)
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+        if n >= DENSE_MIN_ROWS and n * (start + n) >= DENSE_MIN_WORK:
+            index = torch.tensor(table)[None, :] * cache.num_kv_heads + cache.head_offsets[:, None]
+            dense.append(PrefillChunk(row, row + n, start, index.flatten()))
+        elif spans and spans[-1][1] == row:
+            spans[-1] = (spans[-1][0], row + n)
+        else:
+            spans.append((row, row + n))
+        row += n
     width = max(len(t) for t in tables)
     positions = batch.positions
     rows = PagedRows(
@@ -385,5 +434,6 @@ def _paged_rows_metadata(batch: StepBatch, cache: PagedKVCache) -> AttentionMeta
         row_table=torch.tensor(row_table, dtype=torch.int32),
         row_len=(positions + 1).to(torch.int32),
         max_len=int(positions.max()) + 1,
+        kernel_spans=spans,
     )
-    return AttentionMetadata(kv_caches=cache.layers, rows=rows)
+    return AttentionMetadata(kv_caches=cache.layers, rows=rows, prefills=dense)
