@@ -67,8 +67,13 @@ class ModelRunner:
             self.num_threads,
         )  # fmt: skip
         if self.device.type == "cpu":
+            # A forward long enough for the tiled prefill attention, then every matmul
+            # kernel a step can need (native_linear.row_bucket).
             usable_tokens = (self.num_blocks - 1) * self.block_size
-            self.warm_up(min(64, self.max_num_batched_tokens, usable_tokens))
+            self.warm_up(min(256, self.max_num_batched_tokens, usable_tokens))
+            warm_up_matmuls = getattr(self.backend, "warm_up_matmuls", None)
+            if warm_up_matmuls is not None:
+                warm_up_matmuls(self.max_num_batched_tokens, config.max_num_seqs)
 
     # --- sleep mode (engine_core/sleep_mode.py) ------------------------------------------
 

@@ -22,6 +22,7 @@ class Linear:
 
     __slots__ = (
         "weight", "bias", "packed", "kernels", "fused", "bias_f32", "silu_mul", "width", "f32",
+        "in_features",
     )  # fmt: skip
 
     def __init__(
@@ -35,6 +36,7 @@ class Linear:
         self.weight, self.bias, self.packed, self.kernels = weight, bias, None, kernels
         self.silu_mul, self.bias_f32, self.f32 = silu_mul, None, f32
         self.width = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+        self.in_features = weight.shape[1]
         bf16_cpu = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
         self.fused = bf16_cpu and kernels is not None and kernels.prefer_linear
         if self.fused:
@@ -68,7 +70,7 @@ class Linear:
             return self.kernels.linear(x, self.packed, self.bias_f32, self.width, True, raw=True)
         if self.packed is not None:
             rows = x.shape[0]
-            pad = -rows % ROW_BUCKET if rows > ROW_BUCKET else 0
+            pad = row_bucket(rows) - rows
             if pad:  # a row count oneDNN has already built its kernel for
                 padded = F.pad(x, (0, 0, 0, pad))
                 y = torch.ops.mkldnn._linear_pointwise(
@@ -77,6 +79,15 @@ class Linear:
                 return y[:rows]
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def warm_up(self, max_rows: int) -> None:
+        """Build oneDNN's kernel for every row bucket up to max_rows now, so no step of a
+        running server pays for it (a packed weight only; the others build nothing)."""
+        if self.packed is None or self.fused:
+            return
+        for rows in row_buckets(max_rows):
+            x = torch.zeros(rows, self.in_features, dtype=self.packed.dtype)
+            torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def activate(self, y: torch.Tensor) -> torch.Tensor:
         """silu(gate) · up of a `silu_mul` layer's projection [M, 2 I] → [M, I]."""
@@ -87,9 +98,25 @@ class Linear:
 
 
 _PACKING = torch.backends.mkldnn.is_available()
-# oneDNN builds (JIT-compiles) a matmul kernel for each new row count, ~1.1 ms each on
-# this project's AMX Xeon, and a serving engine's steps see hundreds of row counts. Above
-# ROW_BUCKET rows a packed matmul runs on the next multiple of it: a handful of extra rows
-# cost nothing measurable (M=500 → 512: 332 → 298 us for qkv), so each kernel is built
-# once for 16 row counts.
+# oneDNN builds (JIT-compiles) a matmul kernel for each new row count, ~1 ms each at
+# decode sizes and 2-3 ms at prefill sizes on this project's AMX Xeon (a new 1,600-row
+# prompt took 35 ms more than the next one of its bucket), and a serving engine's steps
+# see hundreds of row counts. Above ROW_BUCKET rows a packed matmul runs on the next
+# multiple of a step that grows with the count (16 up to 256 rows, then 1/16 of the next
+# power of two: at most 1/8 extra rows, which cost little next to a new kernel: M=500 →
+# 512: 332 → 298 us for qkv), so 55 kernels cover up to 2,048 rows and the runner
+# builds them all at start (Linear.warm_up).
 ROW_BUCKET = 16
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a packed matmul of `rows` rows runs on."""
+    if rows <= ROW_BUCKET:
+        return rows
+    step = max(ROW_BUCKET, (1 << (rows - 1).bit_length()) // 16)
+    return -(-rows // step) * step
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Every row count row_bucket() answers for 1..max_rows."""
+    return sorted({row_bucket(rows) for rows in range(1, max_rows + 1)})

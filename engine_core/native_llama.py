@@ -236,6 +236,13 @@ class NativeLlamaBackend:
             meta.lora = LoraRows(batch.lora, len(batch.positions), self.kernels, self.dtype)
         return meta
 
+    def warm_up_matmuls(self, max_rows: int, max_sampled_rows: int) -> None:
+        """Build the matmul kernels of every row bucket now (the layers share theirs)."""
+        first = self.layers[0]
+        for linear in (first.qkv, first.o, first.gate_up, first.down):
+            linear.warm_up(max_rows)
+        self.lm_head.warm_up(max_sampled_rows)
+
     # --- LoRA (native_lora.py) ------------------------------------------------------
 
     def lora_targets(self) -> LoraTargets:

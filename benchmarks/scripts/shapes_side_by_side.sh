@@ -11,7 +11,7 @@ shape() { # port who shape
   case $3 in
     long) IN_LEN=1536 OUT_LEN=128 NUM_PROMPTS=40 $P/bench_serve.sh $(basename $out) $1 4 openai "" --random-range-ratio 0.25 ;;
     chat) IN_LEN=256 OUT_LEN=256 NUM_PROMPTS=100 $P/bench_serve.sh $(basename $out) $1 32 openai-chat ;;
-    prefix) NUM_PROMPTS=200 $P/bench_serve.sh $(basename $out) $1 32 openai "" --dataset-name prefix_repetition \
+    prefix) NUM_PROMPTS=600 $P/bench_serve.sh $(basename $out) $1 32 openai "" --dataset-name prefix_repetition \
       --prefix-repetition-prefix-len 512 --prefix-repetition-suffix-len 64 --prefix-repetition-num-prefixes 4 \
       --prefix-repetition-output-len 64 ;;
     many) NUM_PROMPTS=512 $P/bench_serve.sh $(basename $out) $1 256 openai "" --random-range-ratio 0.5 ;;
