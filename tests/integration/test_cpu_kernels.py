@@ -237,21 +237,25 @@ def _reference_attention(
         (4, 4, 16, None, None),  # no GQA
         (12, 2, 48, 5, None),  # a head_dim that is no multiple of 32, a sliding window
         (16, 1, 128, None, 30.0),  # soft-capped scores
+        (8, 2, 64, 21, None),  # a window on the AMX tiles' shapes
+        (14, 2, 128, None, None),  # 7 query heads per KV head
     ],
 )
-def test_paged_attention_matches_an_fp32_reference(kernels, hq, hkv, d, window, softcap):
+@pytest.mark.parametrize("bs", [4, 16])  # 16: the engine's blocks, rows of many blocks
+def test_paged_attention_matches_an_fp32_reference(kernels, hq, hkv, d, window, softcap, bs):
     g = torch.Generator().manual_seed(hq * d)
-    bs, blocks = 4, 40
+    blocks = 40
     k_cache, v_cache = _cache(blocks, hkv, bs, d, g)
     # Three sequences with scattered blocks; rows: one decode each plus a prefill chunk.
     tables = torch.randperm(blocks - 1, generator=g)[:30].add(1).view(3, 10).to(torch.int32)
     row_table = torch.tensor([0, 1, 2, 2, 2, 2], dtype=torch.int32)
-    row_len = torch.tensor([37, 1, 20, 21, 22, 23], dtype=torch.int32)
+    first, chunk = (37, 20) if bs == 4 else (150, 45)  # up to 10 blocks each
+    row_len = torch.tensor([first, 1, chunk, chunk + 1, chunk + 2, chunk + 3], dtype=torch.int32)
     wide = torch.randn(6, 3 * hq * d, generator=g).to(BF16)
     q = wide[:, hq * d : 2 * hq * d]  # strided rows, as q sits inside the qkv rows
     scale = d**-0.5
     out = kernels.paged_attention(
-        q, k_cache, v_cache, tables, row_table, row_len, hq, scale, window, softcap, 40
+        q, k_cache, v_cache, tables, row_table, row_len, hq, scale, window, softcap, first
     )
     want = _reference_attention(
         q, k_cache, v_cache, tables, row_table, row_len, hq, scale, window, softcap
