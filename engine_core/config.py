@@ -53,6 +53,10 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # fcfs | priority
     seed: int = 0
     cpu_threads: int | None = None  # None: usable cores // local engines (cpu_thread_count)
+    # The engine shares its cores with a local API server: while the API server has
+    # many streams to serve, steps leave it one of the engine's threads' cores
+    # (model_runner.step_threads).
+    spare_core_for_frontend: bool = False
     model_impl: str = "auto"  # auto | native | transformers (backends.py)
     cpu_kernels: str = "auto"  # auto: the native bf16 forward on CPU uses them | off
     max_logprobs: int = 20  # -1: the whole vocabulary

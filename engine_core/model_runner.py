@@ -17,6 +17,11 @@ from engine_core.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+# A step of at most this many single-token rows keeps every thread (model_runner.
+# threads_for), as does one with at least PREFILL_HEAVY prompt tokens.
+FEW_STREAMS = 2
+PREFILL_HEAVY = 256
+
 
 class ModelRunner:
     """Owns the model and its paged KV cache; turns a SchedulerOutput into logits."""
@@ -37,6 +42,10 @@ class ModelRunner:
         # runners, like the engine benchmark, sets it before each one's steps).
         self.torch_threads = torch_threads_beside(self.kernels, self.num_threads)
         torch.set_num_threads(self.torch_threads)
+        # Threads of a step while the API server beside us streams to many clients.
+        spare = config.spare_core_for_frontend and self.device.type == "cpu"
+        self.busy_threads = max(1, self.num_threads - 1) if spare else self.num_threads
+        self.step_threads = self.num_threads  # in effect now
         self.spec = KVCacheSpec(
             self.info.num_layers,
             self.info.num_kv_heads,
@@ -74,6 +83,11 @@ class ModelRunner:
             warm_up_matmuls = getattr(self.backend, "warm_up_matmuls", None)
             if warm_up_matmuls is not None:
                 warm_up_matmuls(self.max_num_batched_tokens, config.max_num_seqs)
+                if self.busy_threads != self.num_threads:  # oneDNN builds per thread count
+                    self.use_threads(self.busy_threads)
+                    rows = min(self.max_num_batched_tokens, config.max_num_seqs + PREFILL_HEAVY)
+                    warm_up_matmuls(rows, config.max_num_seqs)
+                    self.use_threads(self.num_threads)
 
     # --- sleep mode (engine_core/sleep_mode.py) ------------------------------------------
 
@@ -130,11 +144,32 @@ class ModelRunner:
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
 
+    def use_threads(self, threads: int) -> None:
+        """Run the next steps on `threads` threads (the kernels' pool and torch's)."""
+        torch.set_num_threads(torch_threads_beside(self.kernels, threads))
+        self.step_threads = threads
+
+    def threads_for(self, out: SchedulerOutput) -> int:
+        """busy_threads for a step of many streams' tokens, else every thread: a step of
+        one or two streams, or one mostly of prefill, leaves the API server little to do.
+
+        On 2 cores, with vllm bench serve beside it, one engine thread served 30 %
+        more at 32 streams (and 13 % more at 256) than two, and 17 % less to a
+        single stream (BENCHMARKS.md §1)."""
+        decodes = out.num_tokens.count(1)
+        if decodes <= FEW_STREAMS or sum(out.num_tokens) - decodes >= PREFILL_HEAVY:
+            return self.num_threads
+        return self.busy_threads
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [rows, V] fp32: one row per `out.sampling` request, one per
         `out.beam_rows` sequence, then the prompt-logprob rows of
         `out.prompt_logprob_rows` in order."""
+        if self.busy_threads != self.num_threads:
+            threads = self.threads_for(out)
+            if threads != self.step_threads:
+                self.use_threads(threads)
         input_ids, positions, meta, logits_indices = self.prepare(out)
         return self.backend.forward(input_ids, positions, meta, logits_indices)
 

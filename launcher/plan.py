@@ -192,6 +192,15 @@ def engine_config(
             if args.data_parallel_backend == "ray"
             else engine_threads(settled, topology.local_engines)
         ),
+        # Unless the user placed the threads themselves, an engine beside local API
+        # servers leaves them a core while they stream (BENCHMARKS.md §1).
+        spare_core_for_frontend=(
+            not args.headless
+            and args.data_parallel_backend != "ray"
+            and args.cpu_threads is None
+            and not args.engine_cpus
+            and not args.api_server_cpus
+        ),
         model_impl="native" if args.model_impl == "vllm" else args.model_impl,
         cpu_kernels=args.cpu_kernels,
         max_logprobs=args.max_logprobs,
@@ -342,11 +351,11 @@ def engine_threads(args: argparse.Namespace, local_engines: int) -> int:
     the usable cores less one for each local API server after the first, shared by
     the local engines.
 
-    The first API server shares the cores with the engine: it needs a fraction of a
-    core, and the kernels' pool gives way to it (idle threads sleep after a short
-    spin; no loop waits for a thread that has not started on it). Two engine threads
-    beside one API server on 2 cores served more than one (BENCHMARKS.md §2, "Figures
-    behind the code").
+    The first API server shares the cores with the engine. It needs little while it
+    streams to one or two clients, and the engine's steps keep every thread then; on
+    steps of many streams' tokens the engine leaves it a core
+    (EngineConfig.spare_core_for_frontend, model_runner.threads_for): oneDNN's threads
+    do not give way to it (BENCHMARKS.md §1).
     """
     if args.engine_cpus:
         cores = len(args.engine_cpus)

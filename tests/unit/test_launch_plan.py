@@ -54,6 +54,16 @@ def test_engine_threads_count_the_settled_api_servers(monkeypatch):
     assert planned("-dp", "2", "--api-server-count", "1").engine.cpu_threads == 4
 
 
+def test_engines_spare_a_core_for_the_api_servers_unless_the_user_placed_the_threads():
+    assert planned().engine.spare_core_for_frontend
+    assert planned("-dp", "2").engine.spare_core_for_frontend
+    for placed in (["--cpu-threads", "2"], ["--engine-cpus", "0"], ["--api-server-cpus", "0"]):
+        assert not planned(*placed).engine.spare_core_for_frontend, placed
+    headless = ["--headless", "-dp", "2", "--data-parallel-size-local", "2"]
+    headless += ["--data-parallel-address", "10.0.0.1", "--data-parallel-rpc-port", "13345"]
+    assert not planned(*headless).engine.spare_core_for_frontend
+
+
 def test_the_api_key_comes_from_the_flag_or_else_the_environment(monkeypatch):
     monkeypatch.setenv("ZSERVE_API_KEY", "from-env")
     assert planned().frontend.api_key == "from-env"
