@@ -69,6 +69,10 @@ def descendants(pid: int) -> set[int]:
 def cluster():
     before = descendants(os.getpid())
     temp_dir = tempfile.mkdtemp(prefix="zsray-")  # short: Ray's socket paths live here
+    # Ray's test Cluster records the head's address in its default temp folder
+    # (/tmp/ray) whatever temp folder the head uses, and fails where that folder does
+    # not exist yet, as on a fresh machine.
+    os.makedirs(os.path.join(os.environ.get("TMPDIR", "/tmp"), "ray"), exist_ok=True)
     try:
         c = Cluster(
             initialize_head=True,
