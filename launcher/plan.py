@@ -192,15 +192,10 @@ def engine_config(
             if args.data_parallel_backend == "ray"
             else engine_threads(settled, topology.local_engines)
         ),
-        # Unless the user placed the threads themselves, an engine beside local API
-        # servers leaves them a core while they stream (BENCHMARKS.md §1).
-        spare_core_for_frontend=(
-            not args.headless
-            and args.data_parallel_backend != "ray"
-            and args.cpu_threads is None
-            and not args.engine_cpus
-            and not args.api_server_cpus
-        ),
+        # Unless the user placed the threads, an engine leaves local API servers a core
+        # while they stream (engine_threads).
+        spare_core_for_frontend=args.data_parallel_backend != "ray"
+        and not (args.headless or args.cpu_threads or args.engine_cpus or args.api_server_cpus),
         model_impl="native" if args.model_impl == "vllm" else args.model_impl,
         cpu_kernels=args.cpu_kernels,
         max_logprobs=args.max_logprobs,
@@ -351,11 +346,8 @@ def engine_threads(args: argparse.Namespace, local_engines: int) -> int:
     the usable cores less one for each local API server after the first, shared by
     the local engines.
 
-    The first API server shares the cores with the engine. It needs little while it
-    streams to one or two clients, and the engine's steps keep every thread then; on
-    steps of many streams' tokens the engine leaves it a core
-    (EngineConfig.spare_core_for_frontend, model_runner.threads_for): oneDNN's threads
-    do not give way to it (BENCHMARKS.md §1).
+    The first API server shares the cores with the engine, which leaves it one on steps
+    of many streams' tokens (model_runner.threads_for; BENCHMARKS.md §1).
     """
     if args.engine_cpus:
         cores = len(args.engine_cpus)
