@@ -43,8 +43,12 @@ class ModelRunner:
         # runners, like the engine benchmark, sets it before each one's steps).
         self.torch_threads = torch_threads_beside(self.kernels, self.num_threads)
         torch.set_num_threads(self.torch_threads)
-        # Threads of a step while the API server beside us streams to many clients.
-        spare = config.spare_core_for_frontend and self.device.type == "cpu"
+        # Threads of a step while the API server beside us streams to many clients:
+        # one fewer where torch's OpenMP threads (oneDNN's matmuls) carry the forward,
+        # as they do not give way to it; the kernels' own pool does, and where it runs
+        # the matmuls two threads served more (BENCHMARKS.md §2, "Figures behind the code").
+        own_pool = self.kernels is not None and self.kernels.prefer_linear
+        spare = config.spare_core_for_frontend and self.device.type == "cpu" and not own_pool
         self.busy_threads = max(1, self.num_threads - 1) if spare else self.num_threads
         self.step_threads = self.num_threads  # in effect now
         self.spec = KVCacheSpec(

@@ -7,6 +7,7 @@ import pytest
 import torch
 from engine_oracle import SMALL_KV, greedy, hf_greedy, make_prompts
 
+from engine_core import cpu_kernels
 from engine_core.llm import LLM
 from engine_core.model_runner import FEW_STREAMS, PREFILL_HEAVY
 
@@ -32,6 +33,9 @@ def _run(model, dtype: str, **config) -> tuple[list[list[int]], list[tuple[list[
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # torch's ops; the CPU kernels
 def test_steps_of_many_streams_leave_a_core_and_the_tokens_stay_the_same(tiny_model, dtype):
+    kernels = cpu_kernels.load()
+    if dtype == "bfloat16" and kernels is not None and kernels.prefer_linear:
+        pytest.skip("the kernels' own matmuls run here (AVX512-BF16 without AMX)")
     model = tiny_model("llama")
     spared, steps = _run(model, dtype, spare_core_for_frontend=True)
     for num_tokens, threads, torch_threads in steps:
@@ -45,3 +49,18 @@ def test_steps_of_many_streams_leave_a_core_and_the_tokens_stay_the_same(tiny_mo
     assert spared == kept
     if dtype == "float32":
         assert spared == hf_greedy(model, make_prompts())
+
+
+def test_where_the_kernels_pool_runs_the_matmuls_every_step_keeps_every_thread(
+    tiny_model, monkeypatch
+):
+    # Their pool never waits for a descheduled thread and gives way to the API server
+    # (on the Zen boxes two threads served more than one).
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.has_linear:
+        pytest.skip("the kernels' matmul is in the AVX512-BF16 build only")
+    monkeypatch.setattr(kernels, "prefer_linear", True)
+    model = tiny_model("llama")
+    spared, steps = _run(model, "bfloat16", spare_core_for_frontend=True)
+    assert {threads for _, threads, _ in steps} == {2}
+    assert {torch_threads for _, _, torch_threads in steps} == {1}  # the pool has them
