@@ -139,7 +139,7 @@ def torch_metadata(batch: StepBatch, cache: PagedKVCache) -> AttentionMetadata:
         block_ids = blocks[: -(-(start + n) // bs)]
         chunk_pos = torch.arange(start, start + n)
         block_parts.append(torch.tensor(block_ids)[chunk_pos // bs])
-        chunks.append(PrefillChunk(first, first + n, start, _gather_index(cache, block_ids)))
+        chunks.append(PrefillChunk(first, first + n, start, gather_index(cache, block_ids)))
         first += n
     token_blocks = torch.cat(block_parts) if chunks else block_parts[0]
     return AttentionMetadata(
@@ -162,7 +162,19 @@ def _write_index(
     return (base[None, :] + cache.head_offsets[:, None] * bs).flatten()
 
 
-def _gather_index(cache: PagedKVCache, block_ids: list[int]) -> torch.Tensor:
+def rows_between(chunks: list[PrefillChunk], rows: int) -> list[tuple[int, int]]:
+    """The ranges of rows [0, rows) outside `chunks` (which come in row order)."""
+    spans, row = [], 0
+    for chunk in chunks:
+        if chunk.start > row:
+            spans.append((row, chunk.start))
+        row = chunk.end
+    if rows > row:
+        spans.append((row, rows))
+    return spans
+
+
+def gather_index(cache: PagedKVCache, block_ids: list[int]) -> torch.Tensor:
     """(block, head) rows of one sequence's blocks, head-major: gathers [Hkv, L, D]."""
     blocks = torch.tensor(block_ids)
     index = blocks[None, :] * cache.num_kv_heads + cache.head_offsets[:, None]

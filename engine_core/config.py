@@ -55,7 +55,7 @@ class EngineConfig:
     cpu_threads: int | None = None  # None: usable cores // local engines (cpu_thread_count)
     # The engine shares its cores with a local API server: while the API server has
     # many streams to serve, steps leave it one of the engine's threads' cores
-    # (model_runner.step_threads).
+    # (model_runner.threads_for).
     spare_core_for_frontend: bool = False
     model_impl: str = "auto"  # auto | native | transformers (backends.py)
     cpu_kernels: str = "auto"  # auto: the native bf16 forward on CPU uses them | off

@@ -28,7 +28,9 @@ from engine_core.attention import (
     PrefillChunk,
     StepBatch,
     cached_chunk_attention,
+    gather_index,
     paged_attention,
+    rows_between,
     torch_metadata,
 )
 from engine_core.config import EngineConfig
@@ -414,7 +416,6 @@ def _paged_rows_metadata(batch: StepBatch, cache: PagedKVCache) -> AttentionMeta
     row_table: list[int] = []
     slots: list[int] = []
     dense: list[PrefillChunk] = []
-    spans: list[tuple[int, int]] = []
     row = 0
     for i, (blocks, start, n) in enumerate(batch.sequences):
         table = blocks[: -(-(start + n) // bs)]
@@ -426,12 +427,7 @@ def _paged_rows_metadata(batch: StepBatch, cache: PagedKVCache) -> AttentionMeta
             row_table.extend([i] * n)
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
         if n >= DENSE_MIN_ROWS and n * (start + n) >= DENSE_MIN_WORK:
-            index = torch.tensor(table)[None, :] * cache.num_kv_heads + cache.head_offsets[:, None]
-            dense.append(PrefillChunk(row, row + n, start, index.flatten()))
-        elif spans and spans[-1][1] == row:
-            spans[-1] = (spans[-1][0], row + n)
-        else:
-            spans.append((row, row + n))
+            dense.append(PrefillChunk(row, row + n, start, gather_index(cache, table)))
         row += n
     width = max(len(t) for t in tables)
     positions = batch.positions
@@ -441,6 +437,6 @@ def _paged_rows_metadata(batch: StepBatch, cache: PagedKVCache) -> AttentionMeta
         row_table=torch.tensor(row_table, dtype=torch.int32),
         row_len=(positions + 1).to(torch.int32),
         max_len=int(positions.max()) + 1,
-        kernel_spans=spans,
+        kernel_spans=rows_between(dense, row),
     )
     return AttentionMetadata(kv_caches=cache.layers, rows=rows, prefills=dense)

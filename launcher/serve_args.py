@@ -107,8 +107,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="CPU threads per engine, for its CPU kernels' pool or torch's ops (default: the "
         "usable cores minus one for each local API server after the first, shared by the "
         "local engines, at least 1; where torch's threads run the matmuls, a step of many "
-        "streams' tokens leaves one of them to the API servers, unless this flag, --engine-cpus or --api-server-cpus places the "
-        "threads)",
+        "streams' tokens leaves one of them to the API servers, unless this flag, "
+        "--engine-cpus or --api-server-cpus places the threads)",
     )
     g.add_argument(
         "--engine-cpus",

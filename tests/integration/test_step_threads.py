@@ -1,5 +1,5 @@
 """An engine beside an API server leaves it a core on steps of many streams' tokens,
-and keeps every thread for one or two streams and for prefill-heavy steps."""
+and keeps every thread for a single stream and for prefill-heavy steps."""
 
 from __future__ import annotations
 
