@@ -47,7 +47,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0  # 0: no per-request cap beyond the budget
     block_size: int = 16
-    kv_cache_memory_bytes: int | None = None  # CPU: None → a default of 1 GiB
+    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU; on a GPU, by utilization
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority

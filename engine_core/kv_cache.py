@@ -59,17 +59,24 @@ class PagedKVCache:
         self.layers = []
 
 
-def cpu_num_blocks(spec: KVCacheSpec, kv_cache_memory_bytes: int | None) -> int:
+def sized_num_blocks(
+    spec: KVCacheSpec, kv_cache_memory_bytes: int | None, device: torch.device
+) -> int:
+    """Blocks in the bytes given (on CPU, 1 GiB where none are). On a GPU the bytes
+    replace gpu_memory_utilization's sizing, as in vLLM, and must be free now."""
     budget = kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        if budget > free:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} is more than the {free} bytes free on {device}"
+            )
     return budget // spec.block_bytes
 
 
 def gpu_num_blocks(spec: KVCacheSpec, device: torch.device, utilization: float) -> int:
     """Blocks that fit in `utilization` of the device once the weights and the
-    warm-up's activation peak (measured by the caller just before) are accounted for.
-
-    Unverified on real hardware in this repository's CI (no GPU there).
-    """
+    warm-up's activation peak (measured by the caller just before) are accounted for."""
     free, total = torch.cuda.mem_get_info(device)
     used_by_everyone = total - free
     activation_peak = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)

@@ -10,7 +10,7 @@ from engine_core.attention import AttentionMetadata, StepBatch
 from engine_core.backends import make_backend
 from engine_core.config import EngineConfig
 from engine_core.device import select_device, set_up_host, torch_threads_beside
-from engine_core.kv_cache import KVCacheSpec, PagedKVCache, cpu_num_blocks, gpu_num_blocks
+from engine_core.kv_cache import KVCacheSpec, PagedKVCache, gpu_num_blocks, sized_num_blocks
 from engine_core.model_loader import inspect_model, resolve_dtype, resolve_max_model_len
 from engine_core.request import Request
 from engine_core.scheduler import SchedulerOutput
@@ -59,7 +59,7 @@ class ModelRunner:
             self.dtype,
         )
         self.cache = PagedKVCache(self.spec, self.device, self.max_model_len)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and config.kv_cache_memory_bytes is None:
             # Profile the biggest step on a scratch cache, then size the real one.
             self.cache.allocate(self._warmup_blocks())
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -68,7 +68,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
             self.num_blocks = gpu_num_blocks(self.spec, self.device, config.gpu_memory_utilization)
         else:
-            self.num_blocks = cpu_num_blocks(self.spec, config.kv_cache_memory_bytes)
+            self.num_blocks = sized_num_blocks(self.spec, config.kv_cache_memory_bytes, self.device)
         if self.num_blocks < 2:
             raise ValueError(
                 f"the KV cache holds {self.num_blocks} blocks of {self.spec.block_bytes} bytes; "

@@ -95,7 +95,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--kv-cache-memory-bytes",
         type=parse_bytes,
         default=None,
-        help="KV cache size on CPU, e.g. 2GiB (default 1GiB)",
+        help="KV cache size per engine, e.g. 2GiB (default on CPU: 1GiB; on a GPU it replaces "
+        "the sizing by --gpu-memory-utilization)",
     )
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
