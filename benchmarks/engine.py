@@ -36,6 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--prefix-requests", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument(
+        "--device", default="auto", help="auto | cpu | cuda | cuda:N, for the engines and the limit"
+    )
+    parser.add_argument(
         "--limit-attn",
         default="sdpa",
         help="attn_implementation of the bare HF loop (sdpa is transformers' default)",

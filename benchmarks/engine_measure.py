@@ -36,6 +36,7 @@ def _engine(
             model_impl=model_impl.removesuffix("-torch"),
             cpu_kernels=kernels,
             dtype=args.dtype,
+            device=args.device,
             cpu_threads=args.threads,
             max_num_seqs=max(256, *_batch_sizes(args)),
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -99,15 +100,21 @@ def limit_decode_ms(
 
     torch.set_num_threads(threads)
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=torch.tensor(prompts), cache=cache, use_cache=True)
+    out = model(input_ids=torch.tensor(prompts, device=model.device), cache=cache, use_cache=True)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         out = model(input_ids=token, cache=cache, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
+        _sync(token)  # the engine's step ends with its tokens on the host too
         times.append(time.perf_counter() - t)
     return [t * 1e3 for t in times]
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.device.type == "cuda":
+        torch.cuda.synchronize(t.device)
 
 
 def engine_prefill_tok_s(engine: EngineCore, prompts: list[list[int]]) -> float:
@@ -126,7 +133,10 @@ def limit_prefill_tok_s(model: torch.nn.Module, prompts: list[list[int]], thread
     torch.set_num_threads(threads)
     t = time.perf_counter()
     for p in prompts:
-        model(input_ids=torch.tensor([p]), use_cache=False, logits_to_keep=1)
+        out = model(
+            input_ids=torch.tensor([p], device=model.device), use_cache=False, logits_to_keep=1
+        )
+        _sync(out.logits)
     return sum(map(len, prompts)) / (time.perf_counter() - t)
 
 
@@ -157,10 +167,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=dtype, attn_implementation=args.limit_attn
     ).eval()
+    model.to(engine.runner.device)
     vocab = engine.vocab_size
     result: dict[str, Any] = {
         "model": args.model,
         "dtype": engine.dtype,
+        "device": str(engine.runner.device),
         "threads": threads,
         "limit_attn": args.limit_attn,
         "model_impls": impls,
@@ -240,7 +252,7 @@ def _range(s: dict[str, float], fmt: str = ".2f") -> str:
 
 def format_table(r: dict[str, Any]) -> str:
     lines = [
-        f"engine bench: {r['model']} ({r['dtype']}, {r['threads']} threads, "
+        f"engine bench: {r['model']} ({r['dtype']} on {r['device']}, {r['threads']} threads, "
         f"limit = bare HF loop with {r['limit_attn']} attention); median [min–max] over "
         f"repeats; ratio = limit ms / engine ms (> 1: faster than the bare loop)",
         f"{'batch':>5}  {'path':<12}  {'ms/step':>22}  {'tok/s':>7}  {'ratio':>18}  {'best':>5}",
