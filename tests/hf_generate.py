@@ -9,11 +9,20 @@ import torch
 from transformers import AutoModelForCausalLM
 
 
+def reference_model(model_dir: Path | str, dtype: torch.dtype = torch.float32, **config):
+    """transformers' model on its eager attention, the reference every release keeps
+    faithful: some releases' SDPA path drops a model's own score transforms (5.17's
+    drops gemma2's softcap, so its greedy tokens are not the model's)."""
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation="eager", **config
+    ).eval()
+
+
 def hf_greedy(
     model_dir: Path | str, prompts: list[list[int]], num_new: int, adapter: Path | str | None = None
 ) -> list[list[int]]:
     """Exactly `num_new` greedy tokens after each prompt (EOS ignored)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = reference_model(model_dir)
     if adapter is not None:
         from peft import PeftModel
 

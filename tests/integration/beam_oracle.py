@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from hf_generate import reference_model
 
 
 @dataclass
@@ -20,7 +20,7 @@ class Answer:
 
 
 def load(model_dir: Path):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return reference_model(model_dir)
 
 
 @torch.no_grad()

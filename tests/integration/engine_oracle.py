@@ -7,7 +7,6 @@ from pathlib import Path
 
 import hf_generate
 import torch
-from transformers import AutoModelForCausalLM
 
 from protocol.messages import EngineCoreRequest, SamplingParams
 
@@ -42,7 +41,7 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], num_new: int = NUM_NEW)
 
 def hf_log_softmax(model_dir: Path, tokens: list[int]) -> torch.Tensor:
     """log_softmax of a full fp32 forward over `tokens`: row i predicts token i + 1."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = hf_generate.reference_model(model_dir)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([tokens])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)

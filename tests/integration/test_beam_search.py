@@ -168,7 +168,10 @@ def test_a_repeated_search_reuses_the_cached_prompt(llama):
     prompt = make_prompts((40,))[0]
     first = llm.generate([prompt], beams(3))
     again = llm.generate([prompt], beams(3))
-    assert again[0].beams == first[0].beams
+    # Bit for bit on CPU; a GPU's kernels for a cached prefix round differently (~1e-6).
+    for a, b in zip(again[0].beams, first[0].beams, strict=True):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, rel=1e-5)
     assert again[0].num_cached_tokens == 32
     assert_no_blocks_held(llm)
 

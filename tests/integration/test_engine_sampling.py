@@ -76,7 +76,7 @@ def test_seeded_request_gives_the_same_tokens_alone_and_in_a_batch_of_8(llm):
 
 
 def test_seeded_sampling_through_the_cpu_kernels_is_batch_independent_too(llama):
-    llm = LLM(str(llama), kv_cache_memory_bytes=SMALL_KV, dtype="bfloat16")
+    llm = LLM(str(llama), kv_cache_memory_bytes=SMALL_KV, dtype="bfloat16", device="cpu")
     assert llm.engine.sampler.kernels is not None  # the fused softmax and draw
     _check_seeded_batch_independence(llm)
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from engine_oracle import SMALL_KV, make_prompts
+from hf_generate import reference_model
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
 
 from engine_core import cpu_kernels
 from engine_core.llm import LLM
@@ -122,7 +122,7 @@ def adapters(tiny_model, tmp_path_factory):
 def peft_logits(model_dir, adapter, dtype, prompt) -> torch.Tensor:
     """The last position's logits of transformers + PEFT, the adapter applied beside the
     base weights (not merged into them), as PEFT serves it."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = reference_model(model_dir, dtype)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter, torch_dtype=dtype)
     with torch.no_grad():

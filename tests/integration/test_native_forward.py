@@ -58,6 +58,7 @@ def _compare(
     prompts: list[list[int]] | None = None,
     budget: int = 24,
     chunk: int = 7,
+    device: str = "auto",
 ) -> _Both:
     # A small budget and chunk cap: steps mix decodes, fresh prompts and continued chunks.
     kwargs = dict(
@@ -66,6 +67,7 @@ def _compare(
         max_num_batched_tokens=budget,
         long_prefill_token_threshold=chunk,
         cpu_kernels=cpu_kernels,
+        device=device,
     )
     if dtype:
         kwargs["dtype"] = dtype
@@ -73,7 +75,7 @@ def _compare(
     runner = llm.engine.runner
     assert isinstance(runner.backend, NativeLlamaBackend)
     assert (runner.backend.kernels is not None) == (
-        cpu_kernels == "auto" and runner.dtype == torch.bfloat16
+        cpu_kernels == "auto" and runner.dtype == torch.bfloat16 and runner.device.type == "cpu"
     )
     reference = TransformersBackend(load_model(runner.info, runner.dtype, runner.device))
     both = _Both(runner, reference)
@@ -105,11 +107,12 @@ def test_long_chunks_take_the_tiled_attention_as_exactly_as_the_row_walks(
     # decodes stay on the kernel's row walks, in the same steps; mistral's sliding
     # window (16) masks the tiled chunks too. Over 300-token contexts a tiny bf16 model
     # drifts from transformers' bf16 by ~0.15 either way; the tiled path must drift
-    # no more than the row walks do on the same steps.
+    # no more than the row walks do on the same steps. The CPU kernels' path: on CPU.
     prompts = make_prompts((300, 200, 5, 170, 33), seed=3)
-    tiled = _compare(tiny_model(arch), "bfloat16", prompts=prompts, budget=256, chunk=160)
+    run = dict(prompts=prompts, budget=256, chunk=160, device="cpu")
+    tiled = _compare(tiny_model(arch), "bfloat16", **run)
     monkeypatch.setattr(native_llama, "DENSE_MIN_ROWS", 1 << 30)
-    walks = _compare(tiny_model(arch), "bfloat16", prompts=prompts, budget=256, chunk=160)
+    walks = _compare(tiny_model(arch), "bfloat16", **run)
     assert tiled.tiled_chunks >= 4 and walks.tiled_chunks == 0
     assert max(tiled.gaps) <= TINY_BF16_ATOL, max(tiled.gaps)
     mean = statistics.fmean

@@ -122,7 +122,9 @@ def test_every_kind_of_constraint_yields_text_that_parses_and_validates(llm, tem
 
 def test_the_cpu_kernels_draw_never_picks_a_masked_token(tiny_model):
     # bf16 on the native forward: the sampler draws with the kernels' softmax_draw.
-    llm = LLM(str(tiny_model("llama")), kv_cache_memory_bytes=SMALL_KV, dtype="bfloat16")
+    llm = LLM(
+        str(tiny_model("llama")), kv_cache_memory_bytes=SMALL_KV, dtype="bfloat16", device="cpu"
+    )
     assert llm.engine.sampler.kernels is not None
     kinds = ["json", "regex", "choice", "ebnf"]
     params = [

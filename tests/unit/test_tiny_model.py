@@ -79,9 +79,9 @@ def test_two_builds_of_the_same_model_are_byte_identical(tiny_model, tmp_path):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_arch_loads_and_generates_varied_greedy_text_with_transformers(tiny_model, arch):
-    from transformers import AutoModelForCausalLM
+    from hf_generate import reference_model
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model(arch)).eval()
+    model = reference_model(tiny_model(arch))
     assert model.config.model_type == arch
     assert parameter_count(tiny_model(arch)) == pytest.approx(115_000, rel=0.01)
 
@@ -104,11 +104,11 @@ def test_every_arch_loads_and_generates_varied_greedy_text_with_transformers(tin
 def test_an_engine_that_ignores_the_variant_feature_gets_other_greedy_tokens(
     tiny_model, arch, feature_off
 ):
-    from transformers import AutoModelForCausalLM
+    from hf_generate import reference_model
 
     prompt = "The quick brown fox jumps over the lazy dog"  # longer than the sliding window
-    faithful = AutoModelForCausalLM.from_pretrained(tiny_model(arch)).eval()
-    ignoring = AutoModelForCausalLM.from_pretrained(tiny_model(arch), **feature_off).eval()
+    faithful = reference_model(tiny_model(arch))
+    ignoring = reference_model(tiny_model(arch), **feature_off)
     assert greedy(faithful, prompt) != greedy(ignoring, prompt)
 
 
