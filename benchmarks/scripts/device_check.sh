@@ -7,6 +7,8 @@
 #
 # Where the packages the project needs are missing, put their wheels in .whl/ (an
 # ignored folder: see the device tool's notes) and this installs them first.
+# Knobs: SKIP_TESTS=1 / SKIP_BENCH=1 leave out a half; DEVICE=cpu PY=.venv/bin/python
+# rehearse the benchmarks on a machine without a GPU.
 set -uo pipefail
 OUT=${OUT:-$PWD/device-check}
 mkdir -p "$OUT"
