@@ -47,6 +47,14 @@ def non_negative(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    """A share in (0, 1]: --gpu-memory-utilization."""
+    value = float(text)
+    if not 0 < value <= 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def logprob_limit(text: str) -> int:
     value = int(text)
     if value < -1:

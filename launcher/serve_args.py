@@ -11,6 +11,7 @@ import argparse
 from frontend.limits import RequestLimits
 from launcher.arg_types import (
     cpu_list,
+    fraction,
     logprob_limit,
     metrics_prefix,
     non_negative,
@@ -98,7 +99,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="KV cache size per engine, e.g. 2GiB (default on CPU: 1GiB; on a GPU it replaces "
         "the sizing by --gpu-memory-utilization)",
     )
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=fraction,
+        default=0.9,
+        help="share of a GPU's memory an engine fills: weights, its largest step and the KV "
+        "cache in what is left (ignored on CPU and where --kv-cache-memory-bytes is given)",
+    )
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     g.add_argument(

@@ -236,3 +236,15 @@ def test_ray_engine_resources_must_be_named_non_negative_amounts(text, capsys):
     with pytest.raises(SystemExit):
         parse("m", "--ray-engine-resources", text)
     assert "--ray-engine-resources" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["0", "-0.5", "1.5", "nan", "inf", "half"])
+def test_gpu_memory_utilization_must_be_a_share_of_the_device(text, capsys):
+    with pytest.raises(SystemExit):
+        parse("m", "--gpu-memory-utilization", text)
+    assert "--gpu-memory-utilization" in capsys.readouterr().err
+
+
+def test_gpu_memory_utilization_takes_a_share_up_to_the_whole_device():
+    assert parse("m", "--gpu-memory-utilization", "1").gpu_memory_utilization == 1.0
+    assert parse("m", "--gpu-memory-utilization", "0.5").gpu_memory_utilization == 0.5
