@@ -62,6 +62,7 @@ class EngineConfig:
     max_logprobs: int = 20  # -1: the whole vocabulary
     data_parallel_rank: int = 0
     data_parallel_size_local: int = 1
+    data_parallel_local_rank: int = 0  # this engine's index among its node's engines
     profiler: ProfilerConfig | None = None  # None: no profiler routes (--profiler-config)
     tokenizer: str | None = None  # the grammar compiler's vocabulary (None: `model`'s)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)

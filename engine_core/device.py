@@ -12,9 +12,21 @@ from engine_core.config import EngineConfig, cpu_thread_count
 from engine_core.cpu_kernels import CpuKernels
 
 
-def select_device(requested: str) -> torch.device:
+def spread_over_gpus(requested: str, local_rank: int, gpus: int) -> str:
+    """The device of this node's engine `local_rank`: a bare "cuda" (or "auto" where
+    there are GPUs) gives each local engine a GPU of its own while there are enough, as
+    vLLM's data-parallel ranks each take one (more engines than GPUs share them, in
+    turn); "cpu" and an explicit "cuda:N" are kept."""
     if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        requested = "cuda" if gpus else "cpu"
+    if requested == "cuda" and gpus:
+        return f"cuda:{local_rank % gpus}"
+    return requested
+
+
+def select_device(requested: str, local_rank: int = 0) -> torch.device:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    requested = spread_over_gpus(requested, local_rank, gpus)
     try:
         device = torch.device(requested)
     except RuntimeError:

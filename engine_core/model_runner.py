@@ -29,7 +29,7 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = select_device(config.device)
+        self.device = select_device(config.device, config.data_parallel_local_rank)
         self.num_threads = set_up_host(config, self.device)
         self.info = inspect_model(config.model)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.info)

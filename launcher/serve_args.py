@@ -82,7 +82,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="only 1 is supported")
 
     g = p.add_argument_group("engine")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument(
+        "--device",
+        default="auto",
+        help="auto | cpu | cuda | cuda:N; with cuda (or auto on a GPU host) each local engine "
+        "takes a GPU of its own, in turn where there are more engines than GPUs",
+    )
     g.add_argument("--max-num-seqs", type=positive_int, default=256)
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     g.add_argument(

@@ -183,7 +183,9 @@ class Supervisor:
         on_ray = self.plan.ray is not None
         index = rank - self.topology.start_rank
         cfg = EngineProcConfig(
-            engine=dataclasses.replace(self.plan.engine, data_parallel_rank=rank),
+            engine=dataclasses.replace(
+                self.plan.engine, data_parallel_rank=rank, data_parallel_local_rank=index
+            ),
             rank=rank,
             handshake_address=self.handshake.address
             if self.handshake

@@ -37,7 +37,7 @@ def test_ready_fields_describe_the_loaded_model(engine):
     assert engine.block_size == 16
     assert engine.num_kv_blocks == 128
     assert engine.dtype == "float32"
-    assert engine.device == ("cuda" if torch.cuda.is_available() else "cpu")  # device "auto"
+    assert engine.device == ("cuda:0" if torch.cuda.is_available() else "cpu")  # device "auto"
     assert engine.vocab_size == 320
 
 
