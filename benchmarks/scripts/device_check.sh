@@ -25,21 +25,25 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | tee "$O
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers',
 transformers.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee -a "$OUT/env.txt"
 
+tests_on_device() {  # NAME LIMIT_S TEST_TIMEOUT_S FILES...: one pytest run, its log in $OUT
+    local name=$1 limit=$2 per_test=$3
+    shift 3
+    echo "== $name tests"
+    timeout "$limit" $PY -m pytest -q -p no:cacheprovider --timeout "$per_test" "$@" 2>&1 \
+        | tee "$OUT/${name}_tests.log" | grep -E "passed|failed|Error|FAIL" | tail -30
+}
+
 if [ -z "${SKIP_TESTS:-}" ]; then
-echo "== engine tests"
-timeout 170 $PY -m pytest -q -p no:cacheprovider --timeout 100 \
-    tests/integration/test_engine_conformance.py tests/integration/test_engine_requests.py \
-    tests/integration/test_engine_sampling.py tests/integration/test_native_forward.py \
-    tests/integration/test_beam_search.py tests/integration/test_sleep_mode.py \
-    tests/integration/test_lora_fidelity.py tests/integration/test_structured_output.py \
-    2>&1 | tee "$OUT/engine_tests.log" | grep -E "passed|failed|Error|error|FAIL" | tail -30
-echo "== serving tests"
-timeout 240 $PY -m pytest -q -p no:cacheprovider --timeout 120 \
-    tests/e2e/test_openai_completions.py tests/e2e/test_openai_chat.py \
-    tests/e2e/test_openai_streams.py tests/e2e/test_openai_sampling.py \
-    tests/e2e/test_structured_outputs.py tests/e2e/test_lora_serving.py \
-    tests/e2e/test_dev_routes.py tests/integration/test_topology.py \
-    2>&1 | tee "$OUT/serving_tests.log" | grep -E "passed|failed|Error|FAIL" | tail -30
+    tests_on_device engine 170 100 \
+        tests/integration/test_engine_conformance.py tests/integration/test_engine_requests.py \
+        tests/integration/test_engine_sampling.py tests/integration/test_native_forward.py \
+        tests/integration/test_beam_search.py tests/integration/test_sleep_mode.py \
+        tests/integration/test_lora_fidelity.py tests/integration/test_structured_output.py
+    tests_on_device serving 240 120 \
+        tests/e2e/test_openai_completions.py tests/e2e/test_openai_chat.py \
+        tests/e2e/test_openai_streams.py tests/e2e/test_openai_sampling.py \
+        tests/e2e/test_structured_outputs.py tests/e2e/test_lora_serving.py \
+        tests/e2e/test_dev_routes.py tests/integration/test_topology.py
 fi
 
 [ -n "${SKIP_BENCH:-}" ] && exit 0
