@@ -32,7 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")  # *.c: one op each; kernels.h: what they share
-ABI = 4  # zs_abi() of the source this module speaks to
+ABI = 5  # zs_abi() of the source this module speaks to
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16  # query heads per KV head
 
@@ -46,6 +46,7 @@ _SIGNATURES = {
         _I64,
     ],
     "zs_softmax_draw": [_P, _I64, _P, _I64, _I64, _P],
+    "zs_argmax": [_P, _I64, _I64, _I64, _P],
     "zs_apply_bitmask": [_P, _I64, _P, _I64, _P, _I64, _I64],
     "zs_lora": [_P, _I64, _P, _I64, _I64, _I64, _P, _P, _P, _I64],
 }  # fmt: skip
@@ -70,6 +71,7 @@ class CpuKernels:
         self._rope_store = lib.zs_rope_store
         self._attention = lib.zs_paged_attention
         self._softmax_draw = lib.zs_softmax_draw
+        self._argmax = lib.zs_argmax
         self._apply_bitmask = lib.zs_apply_bitmask
         self._lora = lib.zs_lora
         self.avx512 = bool(lib.zs_has_avx512())
@@ -202,6 +204,16 @@ class CpuKernels:
         self._softmax_draw(
             logits.data_ptr(), logits.stride(0), u.data_ptr(), rows, vocab, out.data_ptr()
         )
+        return out
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [B, V] (rows may be strided) → int64 [B]: torch's argmax (the
+        first NaN of a row that has one, else the first index of its largest value)."""
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        rows, vocab = logits.shape
+        out = torch.empty(rows, dtype=torch.long)
+        self._argmax(logits.data_ptr(), logits.stride(0), rows, vocab, out.data_ptr())
         return out
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

@@ -45,13 +45,18 @@ class Sampler:
             apply_processors(logits, requests, processed, self.vocab_size)
         random_rows = [i for i, r in enumerate(requests) if not r.is_greedy]
         if not random_rows:
-            return logits.argmax(dim=-1)
+            return self._argmax(logits)
         if len(random_rows) == len(requests):
             return self._sample_random(logits, requests)
-        tokens = logits.argmax(dim=-1)
+        tokens = self._argmax(logits)
         idx = torch.tensor(random_rows, device=logits.device)
         tokens[idx] = self._sample_random(logits[idx], [requests[i] for i in random_rows])
         return tokens
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and logits.device.type == "cpu":
+            return self.kernels.argmax(logits)  # the same answer, several times faster
+        return logits.argmax(dim=-1)
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         dev = logits.device

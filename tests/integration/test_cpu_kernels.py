@@ -311,6 +311,25 @@ def test_softmax_draw_edges_never_pick_a_token_without_mass(kernels):
     assert kernels.softmax_draw(single, torch.tensor([0.999999])).tolist() == [32]
 
 
+@pytest.mark.parametrize("rows, vocab", [(1, 1), (3, 17), (32, 8192), (5, 151_936)])
+def test_argmax_is_torchs(kernels, rows, vocab):
+    g = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=g)
+    assert torch.equal(kernels.argmax(logits), logits.argmax(dim=-1))
+    strided = torch.randn(rows, vocab + 9, generator=g)[:, :vocab]
+    assert torch.equal(kernels.argmax(strided), strided.argmax(dim=-1))
+
+
+def test_argmax_edges_ties_infinities_and_nans_as_torch(kernels):
+    logits = torch.full((5, 100), float("-inf"))
+    logits[1, [5, 50, 99]] = 3.0  # a tie: the first
+    logits[2, 3], logits[2, 70] = 1e30, float("nan")  # a NaN beats any number
+    logits[3, [0, 99]] = float("nan")
+    logits[4, 17], logits[4, 18] = float("inf"), float("inf")
+    assert kernels.argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert kernels.argmax(logits).tolist() == [0, 5, 70, 0, 17]
+
+
 @pytest.mark.parametrize("vocab", [8192, 320, 47])
 def test_apply_bitmask_masks_exactly_the_cleared_bits_of_the_listed_rows(kernels, vocab):
     g = torch.Generator().manual_seed(vocab)
