@@ -8,6 +8,10 @@ DynamicCache, same dtype and threads, no scheduling at all. Prefill: tokens/s ov
 with the cache off and on: hit rate and speed-up. Each figure is measured --repeats
 times; the table shows the median and the range, and `best` = fastest limit step /
 fastest engine step, the least disturbed figure when other processes share the cores.
+Beside them, the machine's own limits, measured at the same threads: the matmul rate in
+the model's dtype and the memory read bandwidth; each decode step's share of the one and
+its time against the memory floor (every weight and the K/V read once), and prefill's
+share of the matmul rate.
 
 The measurement code (benchmarks/engine_measure.py) imports torch; it is loaded only
 when this benchmark runs, so the other `zserve bench` commands stay light.

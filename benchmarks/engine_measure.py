@@ -8,7 +8,10 @@ Prefill: tokens/s over 512-token prompts. Prefix cache: requests sharing a long
 prefix, one after another, with the cache off and on: hit rate and speed-up.
 Each figure is measured --repeats times; the table shows the median and the range,
 and `best` = fastest limit step / fastest engine step, the least disturbed figure
-when other processes share the cores.
+when other processes share the cores. Beside them, the machine's own limits
+(engine_limits.py): each decode step's arithmetic as a share of the measured matmul
+rate and its time against the memory floor (every weight and the K/V read once at
+the measured bandwidth), and prefill's share of the matmul rate.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import engine_limits
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
 from protocol.messages import EngineCoreRequest, SamplingParams
@@ -176,8 +180,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "threads": threads,
         "limit_attn": args.limit_attn,
         "model_impls": impls,
+        "limits": engine_limits.limits(model, engine.runner.device, threads),
         "decode": [],
     }
+    # Each timed step's mean context: the prompt, the warm-up steps, half the timed ones.
+    context = args.context + 2 + args.decode_steps / 2
     for batch in _batch_sizes(args):
         prompts = _prompts(batch, args.context, vocab, gen)
         limit_decode_ms(model, prompts, 2, threads)  # warm every path at this shape
@@ -206,6 +213,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "ratio": _summary([lo / e for lo, e in zip(lim, eng[impl])]),
                 # On a shared machine the fastest step is the least disturbed one.
                 "best_ratio": min(best_lim) / min(best_eng[impl]),
+                **engine_limits.decode_figures(
+                    result["limits"], batch, context, statistics.median(eng[impl])
+                ),
             }
         result["decode"].append(row)
 
@@ -216,6 +226,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_len": args.prefill_len,
         "engine_tok_s": _summary(pre_engine),
         "limit_tok_s": _summary(pre_limit),
+        **engine_limits.prefill_figures(
+            result["limits"], args.prefill_len, statistics.median(pre_engine)
+        ),
     }
     del model, engines
 
@@ -268,11 +281,30 @@ def format_table(r: dict[str, Any]) -> str:
                 f"{'':>5}  {impl:<12}  {_range(e['engine_ms']):>22}  {e['engine_tok_s']:>7.0f}  "
                 f"{_range(e['ratio']):>18}  {e['best_ratio']:>5.2f}"
             )
+    lim, first = r["limits"], r["model_impls"][0]
+    lines.append(
+        f"limits here ({r['threads']} threads): {r['dtype']} matmul "
+        f"{lim['matmul_flops'] / 1e9:.0f} GFLOP/s, memory reads "
+        f"{lim['read_bytes_s'] / 1e9:.1f} GB/s; the model's linear weights "
+        f"{lim['weight_bytes'] / 1e6:.1f} MB"
+    )
+    lines.append(
+        f"{'batch':>5}  {first + ' GFLOP/s':>18}  {'of matmul rate':>14}  "
+        f"{'memory floor ms':>15}  {'floor / step':>12}"
+    )
+    for d in r["decode"]:
+        e = d[first]
+        lines.append(
+            f"{d['batch']:>5}  {e['flops'] / 1e9:>18.0f}  {e['of_matmul_rate']:>14.1%}  "
+            f"{e['memory_floor_ms']:>15.2f}  {e['of_memory_floor']:>12.1%}"
+        )
     p = r["prefill"]
     lines.append(
-        f"prefill {p['prompt_len']}-token prompts ({r['model_impls'][0]}): engine "
+        f"prefill {p['prompt_len']}-token prompts ({first}): engine "
         f"{_range(p['engine_tok_s'], '.0f')} tok/s, bare HF forward "
-        f"{_range(p['limit_tok_s'], '.0f')} tok/s"
+        f"{_range(p['limit_tok_s'], '.0f')} tok/s; {p['flops'] / 1e9:.0f} GFLOP/s, "
+        f"{p['of_matmul_rate']:.1%} of the matmul rate (at that rate "
+        f"{p['matmul_rate_tok_s']:.0f} tok/s)"
     )
     c = r["prefix_cache"]
     lines.append(

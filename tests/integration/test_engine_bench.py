@@ -6,6 +6,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from benchmarks import engine as bench
 
@@ -35,3 +36,31 @@ def test_bench_engine_reports_ratios_prefill_and_prefix_cache(tiny_model, tmp_pa
     assert result["prefix_cache"]["hit_rate"] == pytest.approx(64 / 144)
     out = capsys.readouterr().out
     assert all(name in out for name in ["bare HF loop", *impls])
+    assert "of matmul rate" in out and "memory floor ms" in out
+
+
+def test_the_limits_count_the_models_weights_and_reads(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks import engine_limits
+
+    path = tiny_model("llama")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    c = json.loads((path / "config.json").read_text())
+    h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    d = c.get("head_dim") or h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter
+    params = layers * per_layer + h * c["vocab_size"]
+    lim = engine_limits.limits(model, torch.device("cpu"), threads=1)
+    assert lim["weight_bytes"] == 2 * params
+    assert lim["matmul_flops"] > 0 and lim["read_bytes_s"] > 0
+    # A step of 4 sequences at 10 positions: 2 FLOPs a weight a token, 4 per position
+    # and query head dimension in each layer; every weight and the K/V read once.
+    fig = engine_limits.decode_figures(lim, batch=4, context=10, step_ms=1.0)
+    flops = 4 * (2 * params + 4 * 10 * q * layers)
+    assert fig["flops"] == pytest.approx(flops * 1e3)
+    kv_bytes = 2 * 4 * 10 * layers * 2 * kv
+    floor_ms = (2 * params + kv_bytes) / lim["read_bytes_s"] * 1e3
+    assert fig["memory_floor_ms"] == pytest.approx(floor_ms)
+    assert fig["of_matmul_rate"] == pytest.approx(flops * 1e3 / lim["matmul_flops"])
