@@ -32,7 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")  # *.c: one op each; kernels.h: what they share
-ABI = 5  # zs_abi() of the source this module speaks to
+ABI = 6  # zs_abi() of the source this module speaks to
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16  # query heads per KV head
 
@@ -78,12 +78,15 @@ class CpuKernels:
         lib.zs_set_threads.argtypes, lib.zs_set_threads.restype = [_INT], _INT
         self._set_threads = lib.zs_set_threads
         self.threads = self.set_threads(torch.get_num_threads())
-        # Whether linear()/pack_linear() exist: the AVX512-BF16 matmul.
+        # Whether linear()/pack_linear() exist: the AVX-512 build's matmul.
         self.has_linear = self.avx512
-        # Whether the forward should take it: not where oneDNN runs on AMX tiles, which
-        # is faster from a handful of rows on (BENCHMARKS.md §7).
+        # Whether the forward should take it: where it runs on AMX tiles (on a decode
+        # step's rows much faster than oneDNN's, which run on them too: BENCHMARKS.md
+        # §1), or where oneDNN has no tiles to run on; not where only oneDNN has them
+        # (a build without AMX on an AMX CPU: oneDNN is faster from a handful of rows).
         self.amx = onednn_uses_amx()
-        self.prefer_linear = self.has_linear and not self.amx
+        self.linear_amx = self.has_linear and bool(lib.zs_linear_amx())
+        self.prefer_linear = self.has_linear and (self.linear_amx or not self.amx)
         if self.has_linear:
             for name, argtypes in _LINEAR_SIGNATURES.items():
                 fn = getattr(lib, name)

@@ -58,9 +58,10 @@ def torch_threads_beside(kernels: CpuKernels | None, threads: int) -> int:
     if kernels.prefer_linear:
         # The kernels then run the whole forward on their own pool; torch's few
         # remaining ops are small, and a second pool's workers would spin for
-        # milliseconds after each one, on the cores the kernels use. On AMX torch keeps
-        # the threads: oneDNN's matmuls run on both cores (one thread: a batch-128
-        # decode step of the small model 15.2 ms against 10.1, quiet box).
+        # milliseconds after each one, on the cores the kernels use. Where oneDNN's
+        # matmuls run the forward torch keeps the threads (one thread: a batch-128
+        # decode step of the small model 15.2 ms against 10.1, AMX box before the
+        # kernels' matmul ran on its tiles).
         return 1
     return threads
 

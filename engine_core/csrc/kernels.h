@@ -12,8 +12,9 @@
  *
  * The kernels split their work over a pool of their own threads (pool.c), not OpenMP.
  *
- * Two builds of every kernel: AVX-512 (with AVX512-BF16 dot products), and portable
- * C for any other CPU. ZS_PORTABLE forces the portable one (the tests compare both).
+ * Two builds of every kernel: AVX-512 (with AVX512-BF16 dot products, and the
+ * matmul on AMX tiles where the compiler and CPU have them), and portable C for any
+ * other CPU. ZS_PORTABLE forces the portable one (the tests compare both).
  * This header holds what the ops share: the types, the limits, bf16 conversions, the
  * pool's interface and the AVX-512 helpers.
  */

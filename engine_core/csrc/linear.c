@@ -9,12 +9,29 @@
  * whichever thread is free (zs_parallel), so a thread the OS descheduled holds
  * up at most its current tile, not half of the matmul; the tile stays in L1/L2
  * while all M rows pass over it, 8 rows at a time (16 accumulators in registers).
+ *
+ * On CPUs with AMX tiles the same packed tile feeds the tile unit as it is: its
+ * 16 K-pairs x 16 columns halves are AMX's B layout (rows 128 bytes apart), so 16
+ * rows of x at a time take two tile multiplies per 32 K instead of 32 x 16 vector
+ * dot products. AMX's sums are oneDNN's (the same instruction over K in order).
  */
+#define _GNU_SOURCE /* syscall() under -std=c11 */
 #include "kernels.h"
+
+#if ZS_AVX512 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define ZS_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define ZS_AMX 0
+#endif
 
 #if ZS_AVX512
 
 #define ZS_TILE 32
+#ifndef ZS_LINEAR_ROWS
+#define ZS_LINEAR_ROWS 256
+#endif
 
 /* `gated` of a gate/up weight packed gated: 1 gives silu(gate) * up [M, n]; this gives
  * the projection itself, [M, 2n] gate then up (for what must come between, LoRA). */
@@ -43,6 +60,32 @@ void zs_pack_linear(const bf16 *w, int64_t n, int64_t k, int gated, bf16 *out) {
                         (col < n && kk < k) ? w[row * k + kk] : 0;
                 }
         }
+}
+
+/* One row's two 16-column sums out: rounded to bf16 at y (with the bias), or widened
+ * back to fp32 at yf; gated, silu(gate) * up, or (ZS_GATED_RAW) gate at y and up
+ * `up` columns on. */
+static inline __attribute__((always_inline)) void store_row(
+    __m512 a0, __m512 a1, __m512 bias0, __m512 bias1, bf16 *y, float *yf, __mmask16 m0,
+    __mmask16 m1, int gated, int64_t up) {
+    if (gated == ZS_GATED_RAW) {
+        _mm256_mask_storeu_epi16(y, m0, (__m256i)_mm512_cvtneps_pbh(a0));
+        _mm256_mask_storeu_epi16(y + up, m0, (__m256i)_mm512_cvtneps_pbh(a1));
+    } else if (gated) {
+        const __m512 g = bf16_as_f32((__m256i)_mm512_cvtneps_pbh(a0));
+        const __m512 u = bf16_as_f32((__m256i)_mm512_cvtneps_pbh(a1));
+        _mm256_mask_storeu_epi16(y, m0, silu_mul16(g, u));
+    } else {
+        const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a0, bias0));
+        const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a1, bias1));
+        if (yf) {
+            _mm512_mask_storeu_ps(yf, m0, bf16_as_f32(lo));
+            _mm512_mask_storeu_ps(yf + 16, m1, bf16_as_f32(hi));
+        } else {
+            _mm256_mask_storeu_epi16(y, m0, lo);
+            _mm256_mask_storeu_epi16(y + 16, m1, hi);
+        }
+    }
 }
 
 /* Rows [0, R) of x against one packed tile into y's 32 columns (masks: the columns
@@ -81,35 +124,91 @@ static inline __attribute__((always_inline)) void linear_rows(
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
         }
     }
-    if (gated == ZS_GATED_RAW) { /* gate at y, up `up` columns on */
-        for (int r = 0; r < R; r++) {
-            _mm256_mask_storeu_epi16(y + r * ys, m0, (__m256i)_mm512_cvtneps_pbh(acc[r][0]));
-            _mm256_mask_storeu_epi16(y + r * ys + up, m0, (__m256i)_mm512_cvtneps_pbh(acc[r][1]));
-        }
-        return;
+    const __m512 bias0 = bias && !gated ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+    const __m512 bias1 = bias && !gated ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++)
+        store_row(acc[r][0], acc[r][1], bias0, bias1, y ? y + r * ys : NULL,
+                  yf ? yf + r * ys : NULL, m0, m1, gated, up);
+}
+
+#if ZS_AMX
+/* Whether this process may use the tile registers (Linux asks each process to request
+ * them once; oneDNN makes the same request). */
+static int amx_ready(void) {
+    static int ready = -1;
+    if (ready < 0) {
+        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     }
-    if (gated) {
-        for (int r = 0; r < R; r++) {
-            const __m512 g = bf16_as_f32((__m256i)_mm512_cvtneps_pbh(acc[r][0]));
-            const __m512 u = bf16_as_f32((__m256i)_mm512_cvtneps_pbh(acc[r][1]));
-            _mm256_mask_storeu_epi16(y + r * ys, m0, silu_mul16(g, u));
-        }
-        return;
+    return ready;
+}
+
+/* The tile shapes for up to 32 rows of x, R0 in the first 16 and R1 in the next:
+ * C (R x 16 fp32) for each block and 16-column half in tiles 0-3, A (R x 32 bf16) of
+ * each block in 4 and 5, B (16 K-pairs x 16 columns) of each half in 6 and 7. Loaded
+ * when the shape changes. */
+static __thread int amx_shape; /* this thread's loaded shape (0: none) */
+
+static void amx_configure(int r0, int r1) {
+    const int shape = r0 + 32 * r1 + 1;
+    if (amx_shape == shape) return;
+    struct {
+        uint8_t palette, start;
+        uint8_t reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((packed)) cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    const uint8_t rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = rows[t] ? 64 : 0;
+        cfg.rows[t] = rows[t];
     }
-    const __m512 bias0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
-    const __m512 bias1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
-    for (int r = 0; r < R; r++) {
-        const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], bias0));
-        const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], bias1));
-        if (yf) {
-            _mm512_mask_storeu_ps(yf + r * ys, m0, bf16_as_f32(lo));
-            _mm512_mask_storeu_ps(yf + r * ys + 16, m1, bf16_as_f32(hi));
-        } else {
-            _mm256_mask_storeu_epi16(y + r * ys, m0, lo);
-            _mm256_mask_storeu_epi16(y + r * ys + 16, m1, hi);
+    _tile_loadconfig(&cfg);
+    amx_shape = shape;
+}
+
+/* linear_rows on the tile unit: R <= 32 rows, K a multiple of 32, each B tile read
+ * once for both 16-row blocks; the sums go through `acc` (R x 32 fp32) to the same
+ * epilogue. */
+static inline __attribute__((always_inline)) void linear_rows_amx(
+    const bf16 *x, int64_t xs, const bf16 *tile, int64_t k, int R, float *acc,
+    const bf16 *next) {
+    const int r0 = R < 16 ? R : 16, r1 = R - r0;
+    const int64_t xb = xs * (int64_t)sizeof(bf16), bb = 2 * ZS_TILE * sizeof(bf16);
+    amx_configure(r0, r1);
+    _tile_zero(0);
+    _tile_zero(1);
+    if (r1) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t kc = 0; kc < k; kc += 32) {
+        const bf16 *b = tile + kc / 2 * 2 * ZS_TILE;
+        if (next)
+            for (int i = 0; i < 16; i++)
+                _mm_prefetch((const char *)(next + kc / 2 * 2 * ZS_TILE) + i * 128, _MM_HINT_T1);
+        _tile_loadd(6, b, bb);
+        _tile_loadd(7, b + 16 * 2, bb);
+        _tile_loadd(4, x + kc, xb);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (r1) {
+            _tile_loadd(5, x + 16 * xs + kc, xb);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
         }
+    }
+    const int64_t cb = 32 * sizeof(float);
+    _tile_stored(0, acc, cb);
+    _tile_stored(1, acc + 16, cb);
+    if (r1) {
+        _tile_stored(2, acc + 16 * 32, cb);
+        _tile_stored(3, acc + 16 * 32 + 16, cb);
     }
 }
+#endif
 
 struct linear_job {
     const bf16 *x;
@@ -123,9 +222,61 @@ struct linear_job {
     int64_t ys;
 };
 
+#if ZS_AMX
+/* A block of up to 32 rows of one tile, whose sums wait in a buffer for the epilogue. */
+struct amx_block {
+    int64_t t, r0;
+    int rows;
+};
+
+static void amx_epilogue(const struct linear_job *j, const float *acc, struct amx_block o) {
+    const int64_t width = tile_cols(j->gated), left = j->n - o.t * width;
+    const __mmask16 m0 = lanes16(left), m1 = j->gated || left <= 16 ? 0 : lanes16(left - 16);
+    const float *b = j->bias && !j->gated ? j->bias + o.t * ZS_TILE : NULL;
+    const __m512 bias0 = b ? _mm512_maskz_loadu_ps(m0, b) : _mm512_setzero_ps();
+    const __m512 bias1 = b ? _mm512_maskz_loadu_ps(m1, b + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < o.rows; r++) {
+        const int64_t at = (o.r0 + r) * j->ys + o.t * width;
+        store_row(_mm512_loadu_ps(acc + r * 32), _mm512_loadu_ps(acc + r * 32 + 16), bias0,
+                  bias1, j->yf ? NULL : j->y + at, j->yf ? j->yf + at : NULL, m0, m1, j->gated,
+                  j->n);
+    }
+}
+
+/* linear_tiles on the tile unit: 32 rows at a time, each block's epilogue (vector
+ * code) running while the next block's tile multiplies are in flight. */
+static void linear_tiles_amx(const struct linear_job *j, int64_t begin, int64_t end) {
+    float acc[2][32 * 32];
+    struct amx_block pending = {0, 0, 0};
+    int buf = 0;
+    const int64_t pairs = (j->k + 1) / 2, width = tile_cols(j->gated);
+    const int64_t tiles = (j->n + width - 1) / width, ahead = zs_active_threads();
+    for (int64_t t = begin; t < end; t++) {
+        const bf16 *tile = j->packed + t * pairs * 2 * ZS_TILE;
+        for (int64_t r0 = 0; r0 < j->m; r0 += 32) {
+            const int rows = j->m - r0 < 32 ? (int)(j->m - r0) : 32;
+            /* The first block of a tile also fetches this thread's likely next one. */
+            const bf16 *next =
+                r0 == 0 && t + ahead < tiles ? tile + ahead * pairs * 2 * ZS_TILE : NULL;
+            linear_rows_amx(j->x + r0 * j->xs, j->xs, tile, j->k, rows, acc[buf], next);
+            if (pending.rows) amx_epilogue(j, acc[buf ^ 1], pending);
+            pending = (struct amx_block){t, r0, rows};
+            buf ^= 1;
+        }
+    }
+    if (pending.rows) amx_epilogue(j, acc[buf ^ 1], pending);
+}
+#endif
+
 /* Items are tiles. */
 static void linear_tiles(const void *job, int64_t begin, int64_t end) {
     const struct linear_job *j = job;
+#if ZS_AMX
+    if (j->k % 32 == 0 && amx_ready()) {
+        linear_tiles_amx(j, begin, end);
+        return;
+    }
+#endif
     const bf16 *x = j->x, *packed = j->packed;
     const float *bias = j->bias;
     const int64_t xs = j->xs, m = j->m, n = j->n, k = j->k, ys = j->ys;
@@ -172,6 +323,42 @@ void zs_linear(const bf16 *x, int64_t xs, const bf16 *packed, const float *bias,
     const int f32 = out_f32 && !gated;
     const struct linear_job j = {
         x, xs, packed, bias, m, n, k, gated, f32 ? NULL : (bf16 *)y, f32 ? (float *)y : NULL, ys};
-    zs_parallel(tiles, 1, m * n * k >= 16 * ZS_PARALLEL_MIN, linear_tiles, &j);
+#if ZS_AMX
+    /* The caller's tiles may hold oneDNN's shapes since its last call; the pool's
+     * workers run nothing else, so they keep theirs. */
+    amx_shape = 0;
+    /* A tile takes the tile unit a fraction of a microsecond, about what claiming it
+     * costs: chunks of several, still at least 8 per thread to share out. */
+    const int64_t grain =
+        k % 32 == 0 && amx_ready() ? (tiles + 8 * zs_active_threads() - 1) / (8 * zs_active_threads()) : 1;
+#else
+    const int64_t grain = 1;
+#endif
+    /* Long inputs a block of rows at a time, so the block's x stays in L2 while the
+     * weight streams past it (once per block, not once per 32 rows). */
+    const int64_t rows = ZS_LINEAR_ROWS;
+    for (int64_t r0 = 0; r0 < m; r0 += rows) {
+        struct linear_job part = j;
+        part.x = x + r0 * xs;
+        part.m = m - r0 < rows ? m - r0 : rows;
+        if (f32) part.yf = (float *)y + r0 * ys;
+        else part.y = (bf16 *)y + r0 * ys;
+        zs_parallel(tiles, grain, part.m * n * k >= 16 * ZS_PARALLEL_MIN, linear_tiles, &part);
+    }
+#if ZS_AMX
+    if (amx_shape) { /* tiles in use cost each of this thread's context switches 8 KB */
+        _tile_release();
+        amx_shape = 0;
+    }
+#endif
+}
+
+/* Whether zs_linear runs on the tile unit here (K a multiple of 32). */
+int zs_linear_amx(void) {
+#if ZS_AMX
+    return amx_ready();
+#else
+    return 0;
+#endif
 }
 #endif

@@ -119,6 +119,28 @@ def test_linear_with_fp32_out_is_the_bf16_result_widened(kernels, m, n, bias):
         kernels.linear(x, packed, None, n // 2, gated=True, out_f32=True)
 
 
+@pytest.mark.parametrize("m", [1, 16, 17, 32, 33, 300])
+def test_linear_agrees_with_torch_across_row_blocks(kernels, m):
+    # K a multiple of 32 takes the tile unit where the CPU has AMX (32-row blocks, the
+    # first 16 and the rest, 256-row passes); every variant against torch's ops.
+    kernels = _linear_kernels(kernels)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 96, generator=g).to(BF16)
+    w = torch.randn(70, 96, generator=g).to(BF16)
+    b = torch.randn(70, generator=g).to(BF16)
+    packed = kernels.pack_linear(w)
+    got = kernels.linear(x, packed, b.float(), 70)
+    _assert_bf16_close(got, F.linear(x, w, b), max_frac_off=0.05)
+    assert torch.equal(kernels.linear(x, packed, b.float(), 70, out_f32=True), got.float())
+    gate_up = torch.randn(2 * 40, 96, generator=g).to(BF16)
+    gated = kernels.pack_linear(gate_up, gated=True)
+    raw = kernels.linear(x, gated, None, 40, gated=True, raw=True)
+    _assert_bf16_close(raw, F.linear(x, gate_up), max_frac_off=0.05)
+    fused = kernels.linear(x, gated, None, 40, gated=True)
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    _assert_bf16_close(fused, F.silu(gate) * up, max_frac_off=0.1)
+
+
 def test_linear_reads_strided_rows_and_agrees_with_torch(kernels):
     kernels = _linear_kernels(kernels)
     g = torch.Generator().manual_seed(3)

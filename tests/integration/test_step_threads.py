@@ -35,7 +35,7 @@ def _run(model, dtype: str, **config) -> tuple[list[list[int]], list[tuple[list[
 def test_steps_of_many_streams_leave_a_core_and_the_tokens_stay_the_same(tiny_model, dtype):
     kernels = cpu_kernels.load()
     if dtype == "bfloat16" and kernels is not None and kernels.prefer_linear:
-        pytest.skip("the kernels' own matmuls run here (AVX512-BF16 without AMX)")
+        pytest.skip("the kernels' own matmuls run here (AMX tiles, or AVX512-BF16)")
     model = tiny_model("llama")
     spared, steps = _run(model, dtype, spare_core_for_frontend=True)
     for num_tokens, threads, torch_threads in steps:
