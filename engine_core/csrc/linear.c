@@ -187,8 +187,8 @@ static inline __attribute__((always_inline)) void linear_rows_amx(
     for (int64_t kc = 0; kc < k; kc += 32) {
         const bf16 *b = tile + kc / 2 * 2 * ZS_TILE;
         if (next)
-            for (int i = 0; i < 16; i++)
-                _mm_prefetch((const char *)(next + kc / 2 * 2 * ZS_TILE) + i * 128, _MM_HINT_T1);
+            for (int i = 0; i < 32; i++) /* this K step's 2 KB of the next tile */
+                _mm_prefetch((const char *)(next + kc / 2 * 2 * ZS_TILE) + i * 64, _MM_HINT_T1);
         _tile_loadd(6, b, bb);
         _tile_loadd(7, b + 16 * 2, bb);
         _tile_loadd(4, x + kc, xb);
