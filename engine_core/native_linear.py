@@ -39,6 +39,10 @@ class Linear:
         self.in_features = weight.shape[1]
         bf16_cpu = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
         self.fused = bf16_cpu and kernels is not None and kernels.prefer_linear
+        if self.fused and kernels.linear_amx and self.in_features % 32:
+            # On AMX the kernels' tiles take K in steps of 32; their vector path is
+            # ~10x slower than oneDNN's tiles there (BENCHMARKS.md §2).
+            self.fused = False
         if self.fused:
             self.packed = kernels.pack_linear(weight, gated=silu_mul)
             self.bias_f32 = None if bias is None else bias.float().contiguous()

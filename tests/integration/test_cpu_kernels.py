@@ -151,6 +151,22 @@ def test_linear_reads_strided_rows_and_agrees_with_torch(kernels):
     _assert_bf16_close(got, F.linear(x.contiguous(), w), max_frac_off=0.05)
 
 
+def test_a_layer_takes_the_kernels_matmul_where_it_runs_fast():
+    # On AMX a K off the tiles' steps of 32 keeps oneDNN's matmul; the answers agree.
+    from engine_core.native_linear import Linear
+
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.prefer_linear:
+        pytest.skip("the kernels' matmul is not the forward's here")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 96, generator=g).to(BF16)
+    for k in (96, 80):
+        w = torch.randn(48, k, generator=g).to(BF16)
+        layer = Linear(w.clone(), kernels=kernels)
+        assert layer.fused == (not kernels.linear_amx or k % 32 == 0)
+        _assert_bf16_close(layer(x[:, :k].contiguous()), F.linear(x[:, :k], w), max_frac_off=0.05)
+
+
 @pytest.mark.parametrize("m,inter,k", [(1, 1408, 512), (9, 40, 65), (33, 16, 64)])
 def test_gated_linear_is_silu_mul_of_the_projection(kernels, m, inter, k):
     # The gate/up matmul with SiLU·mul fused: the same bf16 values as the projection
