@@ -145,9 +145,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="auto",
         choices=["auto", "off"],
         help="auto: the native bf16 forward on CPU runs zserve's C kernels (fused norms, "
-        "RoPE, SiLU, paged attention and, with AVX512-BF16, the matmuls; compiled once per "
-        "machine with gcc), falling back to torch's ops where they cannot build; off: "
-        "torch's ops always",
+        "RoPE, SiLU, paged attention, greedy's argmax and the matmuls, on AMX tiles or "
+        "AVX512-BF16; compiled once per machine with gcc), falling back to torch's ops "
+        "where they cannot build; off: torch's ops always",
     )
 
     add_lora_args(p)
