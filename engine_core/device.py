@@ -55,13 +55,15 @@ def torch_threads_beside(kernels: CpuKernels | None, threads: int) -> int:
     if kernels is None:
         return threads
     kernels.set_threads(threads)
-    if kernels.prefer_linear:
+    if kernels.prefer_linear and not kernels.linear_amx:
         # The kernels then run the whole forward on their own pool; torch's few
         # remaining ops are small, and a second pool's workers would spin for
-        # milliseconds after each one, on the cores the kernels use. Where oneDNN's
-        # matmuls run the forward torch keeps the threads (one thread: a batch-128
-        # decode step of the small model 15.2 ms against 10.1, AMX box before the
-        # kernels' matmul ran on its tiles).
+        # milliseconds after each one, on the cores the kernels use (Zen 4). Where
+        # oneDNN's matmuls run the forward torch keeps the threads (one thread: a
+        # batch-128 decode step of the small model 15.2 ms against 10.1, AMX box), and
+        # beside the kernels' AMX matmul too: SDPA's tiled attention of long prompt
+        # chunks is torch's (long prompts served 688 -> 764 tok/s with two, TTFT p99
+        # 416 -> 344 ms; BENCHMARKS.md §1).
         return 1
     return threads
 

@@ -63,4 +63,5 @@ def test_where_the_kernels_pool_runs_the_matmuls_every_step_keeps_every_thread(
     model = tiny_model("llama")
     spared, steps = _run(model, "bfloat16", spare_core_for_frontend=True)
     assert {threads for _, threads, _ in steps} == {2}
-    assert {torch_threads for _, _, torch_threads in steps} == {1}  # the pool has them
+    # The pool has them, but beside the AMX matmul torch keeps them for its attention.
+    assert {torch_threads for _, _, torch_threads in steps} == {2 if kernels.linear_amx else 1}
