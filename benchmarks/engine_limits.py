@@ -61,8 +61,9 @@ def model_cost(model: torch.nn.Module) -> ModelCost:
 def matmul_rate(
     device: torch.device, dtype: torch.dtype, k: int, n: int, threads: int, tries: int = 5
 ) -> float:
-    """FLOP/s of the fastest of a few [RATE_ROWS, k] x [k, n] matmuls, on the path the
-    engine's linear layers take (oneDNN's packed bf16 weight on CPU where it exists)."""
+    """FLOP/s of the fastest of a few [RATE_ROWS, k] x [k, n] matmuls on torch's
+    fastest path (oneDNN's packed bf16 weight on CPU where it exists): the rate torch,
+    and vLLM's CPU build, reach; a neutral reference for the engine's own kernels."""
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(RATE_ROWS, k, generator=g).to(device, dtype)
