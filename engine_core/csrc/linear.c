@@ -11,8 +11,8 @@
  * while all M rows pass over it, 8 rows at a time (16 accumulators in registers).
  *
  * On CPUs with AMX tiles the same packed tile feeds the tile unit as it is: its
- * 16 K-pairs x 16 columns halves are AMX's B layout (rows 128 bytes apart), so 16
- * rows of x at a time take two tile multiplies per 32 K instead of 32 x 16 vector
+ * 16 K-pairs x 16 columns halves are AMX's B layout (rows 128 bytes apart), so 32
+ * rows of x at a time take four tile multiplies per 32 K instead of 64 x 16 vector
  * dot products. AMX's sums are oneDNN's (the same instruction over K in order).
  */
 #define _GNU_SOURCE /* syscall() under -std=c11 */
@@ -29,9 +29,7 @@
 #if ZS_AVX512
 
 #define ZS_TILE 32
-#ifndef ZS_LINEAR_ROWS
-#define ZS_LINEAR_ROWS 256
-#endif
+#define ZS_LINEAR_ROWS 256 /* rows of x per pass of zs_linear over the weight */
 
 /* `gated` of a gate/up weight packed gated: 1 gives silu(gate) * up [M, n]; this gives
  * the projection itself, [M, 2n] gate then up (for what must come between, LoRA). */
@@ -220,51 +218,36 @@ struct linear_job {
     bf16 *y;
     float *yf; /* instead of y: fp32 out */
     int64_t ys;
+    int tiles_unit; /* on AMX tiles (K a multiple of 32, the tiles granted) */
 };
 
 #if ZS_AMX
-/* A block of up to 32 rows of one tile, whose sums wait in a buffer for the epilogue. */
-struct amx_block {
-    int64_t t, r0;
-    int rows;
-};
-
-static void amx_epilogue(const struct linear_job *j, const float *acc, struct amx_block o) {
-    const int64_t width = tile_cols(j->gated), left = j->n - o.t * width;
-    const __mmask16 m0 = lanes16(left), m1 = j->gated || left <= 16 ? 0 : lanes16(left - 16);
-    const float *b = j->bias && !j->gated ? j->bias + o.t * ZS_TILE : NULL;
-    const __m512 bias0 = b ? _mm512_maskz_loadu_ps(m0, b) : _mm512_setzero_ps();
-    const __m512 bias1 = b ? _mm512_maskz_loadu_ps(m1, b + 16) : _mm512_setzero_ps();
-    for (int r = 0; r < o.rows; r++) {
-        const int64_t at = (o.r0 + r) * j->ys + o.t * width;
-        store_row(_mm512_loadu_ps(acc + r * 32), _mm512_loadu_ps(acc + r * 32 + 16), bias0,
-                  bias1, j->yf ? NULL : j->y + at, j->yf ? j->yf + at : NULL, m0, m1, j->gated,
-                  j->n);
-    }
-}
-
-/* linear_tiles on the tile unit: 32 rows at a time, each block's epilogue (vector
- * code) running while the next block's tile multiplies are in flight. */
+/* linear_tiles on the tile unit: 32 rows at a time through `acc` to the epilogue. */
 static void linear_tiles_amx(const struct linear_job *j, int64_t begin, int64_t end) {
-    float acc[2][32 * 32];
-    struct amx_block pending = {0, 0, 0};
-    int buf = 0;
+    float acc[32 * 32];
     const int64_t pairs = (j->k + 1) / 2, width = tile_cols(j->gated);
     const int64_t tiles = (j->n + width - 1) / width, ahead = zs_active_threads();
     for (int64_t t = begin; t < end; t++) {
         const bf16 *tile = j->packed + t * pairs * 2 * ZS_TILE;
+        const int64_t left = j->n - t * width;
+        const __mmask16 m0 = lanes16(left), m1 = j->gated || left <= 16 ? 0 : lanes16(left - 16);
+        const float *b = j->bias && !j->gated ? j->bias + t * ZS_TILE : NULL;
+        const __m512 bias0 = b ? _mm512_maskz_loadu_ps(m0, b) : _mm512_setzero_ps();
+        const __m512 bias1 = b ? _mm512_maskz_loadu_ps(m1, b + 16) : _mm512_setzero_ps();
         for (int64_t r0 = 0; r0 < j->m; r0 += 32) {
             const int rows = j->m - r0 < 32 ? (int)(j->m - r0) : 32;
             /* The first block of a tile also fetches this thread's likely next one. */
             const bf16 *next =
                 r0 == 0 && t + ahead < tiles ? tile + ahead * pairs * 2 * ZS_TILE : NULL;
-            linear_rows_amx(j->x + r0 * j->xs, j->xs, tile, j->k, rows, acc[buf], next);
-            if (pending.rows) amx_epilogue(j, acc[buf ^ 1], pending);
-            pending = (struct amx_block){t, r0, rows};
-            buf ^= 1;
+            linear_rows_amx(j->x + r0 * j->xs, j->xs, tile, j->k, rows, acc, next);
+            for (int r = 0; r < rows; r++) {
+                const int64_t at = (r0 + r) * j->ys + t * width;
+                store_row(_mm512_loadu_ps(acc + r * 32), _mm512_loadu_ps(acc + r * 32 + 16),
+                          bias0, bias1, j->yf ? NULL : j->y + at, j->yf ? j->yf + at : NULL, m0,
+                          m1, j->gated, j->n);
+            }
         }
     }
-    if (pending.rows) amx_epilogue(j, acc[buf ^ 1], pending);
 }
 #endif
 
@@ -272,7 +255,7 @@ static void linear_tiles_amx(const struct linear_job *j, int64_t begin, int64_t 
 static void linear_tiles(const void *job, int64_t begin, int64_t end) {
     const struct linear_job *j = job;
 #if ZS_AMX
-    if (j->k % 32 == 0 && amx_ready()) {
+    if (j->tiles_unit) {
         linear_tiles_amx(j, begin, end);
         return;
     }
@@ -321,19 +304,19 @@ void zs_linear(const bf16 *x, int64_t xs, const bf16 *packed, const float *bias,
                int64_t n, int64_t k, int gated, void *y, int64_t ys, int out_f32) {
     const int64_t tiles = (n + tile_cols(gated) - 1) / tile_cols(gated);
     const int f32 = out_f32 && !gated;
-    const struct linear_job j = {
-        x, xs, packed, bias, m, n, k, gated, f32 ? NULL : (bf16 *)y, f32 ? (float *)y : NULL, ys};
 #if ZS_AMX
+    const int tiles_unit = k % 32 == 0 && amx_ready();
     /* The caller's tiles may hold oneDNN's shapes since its last call; the pool's
      * workers run nothing else, so they keep theirs. */
     amx_shape = 0;
-    /* A tile takes the tile unit a fraction of a microsecond, about what claiming it
-     * costs: chunks of several, still at least 8 per thread to share out. */
-    const int64_t grain =
-        k % 32 == 0 && amx_ready() ? (tiles + 8 * zs_active_threads() - 1) / (8 * zs_active_threads()) : 1;
 #else
-    const int64_t grain = 1;
+    const int tiles_unit = 0;
 #endif
+    const struct linear_job j = {x, xs, packed, bias, m, n, k, gated, f32 ? NULL : (bf16 *)y,
+                                 f32 ? (float *)y : NULL, ys, tiles_unit};
+    /* On the tile unit a tile takes a fraction of a microsecond, about what claiming it
+     * costs: chunks of several, still at least 8 per thread to share out. */
+    const int64_t per = 8 * zs_active_threads(), grain = tiles_unit ? (tiles + per - 1) / per : 1;
     /* Long inputs a block of rows at a time, so the block's x stays in L2 while the
      * weight streams past it (once per block, not once per 32 rows). */
     const int64_t rows = ZS_LINEAR_ROWS;
