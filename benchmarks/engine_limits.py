@@ -94,15 +94,16 @@ def _best_s(fn: Callable[[], torch.Tensor], device: torch.device, tries: int) ->
     fn()  # built and warm
     best = float("inf")
     for _ in range(tries):
-        _sync(device)
+        sync(device)
         t = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - t)
     return best
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU's; CPU work is done on return)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -111,14 +111,9 @@ def limit_decode_ms(
         t = time.perf_counter()
         out = model(input_ids=token, cache=cache, use_cache=True)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
-        _sync(token)  # the engine's step ends with its tokens on the host too
+        engine_limits.sync(token.device)  # the engine's step ends with its tokens on the host
         times.append(time.perf_counter() - t)
     return [t * 1e3 for t in times]
-
-
-def _sync(t: torch.Tensor) -> None:
-    if t.device.type == "cuda":
-        torch.cuda.synchronize(t.device)
 
 
 def engine_prefill_tok_s(engine: EngineCore, prompts: list[list[int]]) -> float:
@@ -140,7 +135,7 @@ def limit_prefill_tok_s(model: torch.nn.Module, prompts: list[list[int]], thread
         out = model(
             input_ids=torch.tensor([p], device=model.device), use_cache=False, logits_to_keep=1
         )
-        _sync(out.logits)
+        engine_limits.sync(out.logits.device)
     return sum(map(len, prompts)) / (time.perf_counter() - t)
 
 
