@@ -32,7 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")  # *.c: one op each; kernels.h: what they share
-ABI = 6  # zs_abi() of the source this module speaks to
+ABI = 7  # zs_abi() of the source this module speaks to
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16  # query heads per KV head
 
@@ -87,6 +87,7 @@ class CpuKernels:
         self.amx = onednn_uses_amx()
         self.linear_amx = self.has_linear and bool(lib.zs_linear_amx())
         self.prefer_linear = self.has_linear and (self.linear_amx or not self.amx)
+        self.decoder = None
         if self.has_linear:
             for name, argtypes in _LINEAR_SIGNATURES.items():
                 fn = getattr(lib, name)
@@ -95,6 +96,9 @@ class CpuKernels:
             self._packed_len = lib.zs_linear_packed_len
             self._pack_linear = lib.zs_pack_linear
             self._linear = lib.zs_linear
+            # The decoder layers in one call (cpu_decoder.py), on the kernels' matmul.
+            lib.zs_decoder.argtypes, lib.zs_decoder.restype = [_P] * 6, None
+            self.decoder = lib.zs_decoder
 
     def set_threads(self, threads: int) -> int:
         """Threads the kernels split their loops over, the caller included (the pool

@@ -34,6 +34,7 @@ from engine_core.attention import (
     torch_metadata,
 )
 from engine_core.config import EngineConfig
+from engine_core.cpu_decoder import FusedDecoder
 from engine_core.kv_cache import PagedKVCache
 from engine_core.lora_adapter import LoraTargets, LoraWeights
 from engine_core.model_loader import ModelInfo
@@ -202,10 +203,14 @@ class NativeLlamaBackend:
                     sliding_window=window if sliding else None,
                 )
             )
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q, kv, kv)
         self.hidden_size, self.intermediate = cfg.hidden_size, cfg.intermediate_size
+        self.decoder = FusedDecoder.build(  # the layers in one kernel call, where they can
+            self.kernels, self.layers, self.hidden_size, self.intermediate,
+            (self.num_heads, self.num_kv_heads, self.head_dim), self.eps, self.scaling,
+            (self.cos, self.sin),
+        )  # fmt: skip
 
     def _cpu_kernels(self, use: str) -> cpu_kernels.CpuKernels | None:
         if use == "off" or self.device.type != "cpu" or self.dtype != torch.bfloat16:
@@ -342,12 +347,15 @@ class NativeLlamaBackend:
         """The same arithmetic in fewer passes: each residual add is fused into the
         norm after it, RoPE into the K/V cache write, SiLU·mul into the gate/up matmul
         (or its own kernel)."""
-        # Hot path: per layer four matmuls and three kernel calls (four without the
-        # kernels' matmul, which fuses SiLU·mul into gate/up).
-        k, rows, eps = self.kernels, attn_meta.rows, self.eps
+        # Hot path: per layer four matmuls and three kernel calls (four without the kernels'
+        # matmul, which fuses SiLU·mul into gate/up); on it, all layers in one (cpu_decoder).
+        k, rows, eps, lora = self.kernels, attn_meta.rows, self.eps, attn_meta.lora
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        lora = attn_meta.lora
         hidden = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        if self.decoder is not None and lora is None and not attn_meta.prefills:
+            down = self.decoder.run(hidden, positions, rows, attn_meta.kv_caches)
+            last = hidden.index_select(0, logits_indices) + down.index_select(0, logits_indices)
+            return self.lm_head(k.rms_norm(last, self.norm, eps))
         x = k.rms_norm(hidden, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = attn_meta.kv_caches[layer.layer_idx]

@@ -68,6 +68,23 @@ static inline float round_bf(float f) { return bf2f(f2bf(f)); }
  * the pool's workers (on the caller alone when `parallel` is 0). */
 typedef void (*zs_task)(const void *ctx, int64_t begin, int64_t end);
 ZS_INTERNAL void zs_parallel(int64_t n, int64_t grain, int parallel, zs_task fn, const void *ctx);
+
+/* The ops the decoder (decoder.c) chains; each file documents its own. */
+void zs_rms_norm(const bf16 *x, int64_t x_stride, bf16 *residual, int64_t res_stride,
+                 const bf16 *weight, bf16 *out, int64_t out_stride, int64_t rows,
+                 int64_t hidden, float eps);
+void zs_rope_store(bf16 *qkv, int64_t row_stride, const int64_t *positions, const bf16 *cos,
+                   const bf16 *sin, int64_t rows, int64_t hq, int64_t hkv, int64_t d,
+                   const bf16 *q_norm, const bf16 *k_norm, float eps, bf16 *k_cache,
+                   bf16 *v_cache, const int64_t *slots, int64_t block_size);
+void zs_paged_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache,
+                        const bf16 *v_cache, const int32_t *tables, int64_t table_stride,
+                        const int32_t *row_table, const int32_t *row_len, int64_t rows,
+                        int64_t hq, int64_t hkv, int64_t d, int64_t block_size, int64_t window,
+                        float scale, float softcap, bf16 *out, int64_t out_stride,
+                        int64_t max_len);
+void zs_linear(const bf16 *x, int64_t xs, const bf16 *packed, const float *bias, int64_t m,
+               int64_t n, int64_t k, int gated, void *y, int64_t ys, int out_f32);
 /* Threads a job may use now, the caller included. */
 ZS_INTERNAL int zs_active_threads(void);
 /* A per-thread scratch buffer of at least `bytes`, kept for the thread's next use. */

@@ -198,3 +198,40 @@ def test_rope_tables_match_transformers_positions(tiny_model):
     backend = llm.engine.runner.backend
     assert backend.cos.shape == (llm.engine.max_model_len, backend.head_dim)
     assert torch.isfinite(backend.cos).all() and torch.isfinite(backend.sin).all()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_the_layers_in_one_kernel_call_equal_the_per_op_forward(tiny_model, arch):
+    # cpu_decoder.FusedDecoder chains the same kernels in C: on every step the fused
+    # forward runs first, then the per-op one (which writes the same K/V again), and
+    # their logits must be equal bit for bit; qwen2 has QKV biases, qwen3 q/k norms,
+    # mistral a sliding window. Steps mix decodes and short prompt chunks.
+    llm = LLM(
+        str(tiny_model(arch)), kv_cache_memory_bytes=SMALL_KV, model_impl="native",
+        dtype="bfloat16", device="cpu", max_num_batched_tokens=24, long_prefill_token_threshold=7,
+    )  # fmt: skip
+    runner = llm.engine.runner
+    native = runner.backend
+    if native.kernels is None or native.kernels.decoder is None:
+        pytest.skip("the decoder call is in the AVX512-BF16 build only")
+    decoder = native.decoder
+    assert decoder is not None
+    for layer in native.layers:  # from_config zeroes biases: give them values to get wrong
+        if layer.qkv.bias_f32 is not None:
+            layer.qkv.bias_f32.copy_(torch.randn_like(layer.qkv.bias_f32))
+    fused_steps = []
+
+    def execute(plan):
+        args = runner.prepare(plan)
+        fused = native.forward(*args)
+        native.decoder = None
+        per_op = native.forward(*runner.prepare(plan))
+        native.decoder = decoder
+        if not args[2].prefills:
+            fused_steps.append(plan)
+        assert torch.equal(fused, per_op)
+        return per_op
+
+    runner.execute = execute
+    llm.generate(make_prompts(), greedy())
+    assert len(fused_steps) > 10

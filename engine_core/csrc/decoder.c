@@ -1,0 +1,61 @@
+/*
+ * A Llama-family model's decoder layers in one call (AVX-512 build: it runs on the
+ * kernels' matmul): per layer the same kernels, in the same order, as the forward's
+ * Python loop calls one at a time (native_llama._forward_kernels), so the results are
+ * the same bit for bit; one call instead of ~9 per layer saves the Python and ctypes
+ * around each (a few microseconds apiece, a tenth of a one-row decode step).
+ */
+#include "kernels.h"
+
+#if ZS_AVX512
+
+/* Mirrors cpu_decoder.LayerWeights. */
+struct zs_layer {
+    const bf16 *input_norm, *post_norm, *q_norm, *k_norm; /* q/k norms may be NULL */
+    const bf16 *qkv, *o, *gate_up, *down;                  /* packed (zs_pack_linear) */
+    const float *qkv_bias;                                 /* may be NULL */
+    bf16 *k_cache, *v_cache;                               /* [blocks, hkv, bs, d] */
+    int64_t window;                                        /* 0: full attention */
+};
+
+/* Mirrors cpu_decoder.ModelShape. */
+struct zs_shape {
+    int64_t layers, hidden, inter, hq, hkv, d, block_size;
+    float eps, scale, softcap;
+};
+
+/* Mirrors cpu_decoder.StepRows: the step's rows, as the kernels' attention reads them. */
+struct zs_rows {
+    int64_t rows, table_stride, max_len;
+    const int64_t *positions, *slots;
+    const int32_t *tables, *row_table, *row_len;
+    const bf16 *cos, *sin;
+};
+
+/* h [rows, hidden]: the residual stream after the embedding, updated in place. Out:
+ * h holds the residual before the last layer's MLP and `down` [rows, hidden] that MLP's
+ * output (their sum, normed, is the last hidden state; the caller adds only the rows
+ * it samples). scratch: rows x (qkv width + hq d + hidden + inter) bf16. */
+void zs_decoder(const struct zs_layer *layers, const struct zs_shape *s, const struct zs_rows *r,
+                bf16 *h, bf16 *down, bf16 *scratch) {
+    const int64_t n = r->rows, hid = s->hidden, qd = s->hq * s->d;
+    const int64_t width = qd + 2 * s->hkv * s->d;
+    bf16 *qkv = scratch, *attn = qkv + n * width, *x = attn + n * qd, *gated = x + n * hid;
+    zs_rms_norm(h, hid, NULL, 0, layers[0].input_norm, x, hid, n, hid, s->eps);
+    for (int64_t i = 0; i < s->layers; i++) {
+        const struct zs_layer *l = &layers[i];
+        zs_linear(x, hid, l->qkv, l->qkv_bias, n, width, hid, 0, qkv, width, 0);
+        zs_rope_store(qkv, width, r->positions, r->cos, r->sin, n, s->hq, s->hkv, s->d, l->q_norm,
+                      l->k_norm, s->eps, l->k_cache, l->v_cache, r->slots, s->block_size);
+        zs_paged_attention(qkv, width, l->k_cache, l->v_cache, r->tables, r->table_stride,
+                           r->row_table, r->row_len, n, s->hq, s->hkv, s->d, s->block_size,
+                           l->window, s->scale, s->softcap, attn, qd, r->max_len);
+        zs_linear(attn, qd, l->o, NULL, n, hid, qd, 0, down, hid, 0); /* o, into down's room */
+        zs_rms_norm(down, hid, h, hid, l->post_norm, x, hid, n, hid, s->eps);
+        zs_linear(x, hid, l->gate_up, NULL, n, s->inter, hid, 1, gated, s->inter, 0);
+        zs_linear(gated, s->inter, l->down, NULL, n, hid, s->inter, 0, down, hid, 0);
+        if (i + 1 < s->layers)
+            zs_rms_norm(down, hid, h, hid, layers[i + 1].input_norm, x, hid, n, hid, s->eps);
+    }
+}
+#endif
