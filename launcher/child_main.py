@@ -11,7 +11,7 @@ import sys
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
-from launcher.process_setup import set_up_child, set_up_engine_threads
+from launcher.process_setup import set_up_child
 
 if TYPE_CHECKING:
     from engine_core.config import EngineProcConfig
@@ -34,6 +34,8 @@ def api_server_main(cfg: APIServerConfig, pipe: Connection) -> None:
 def engine_main(cfg: EngineProcConfig) -> None:
     # CPUs are pinned before engine_core's import starts torch's threads.
     set_up_child(f"engine{cfg.rank}", cfg.log_level, cfg.parent_pid, cfg.cpus)
+    from engine_core.omp_env import set_up_engine_threads  # torch-free; API servers skip it
+
     set_up_engine_threads()
     from engine_core.process import run_engine_core
 

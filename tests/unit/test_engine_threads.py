@@ -11,7 +11,7 @@ import pytest
 pytestmark = pytest.mark.timeout(60)
 
 PROBE = (
-    "import os; from launcher.process_setup import set_up_engine_threads; "
+    "import os; from engine_core.omp_env import set_up_engine_threads; "
     "set_up_engine_threads(); import torch; "
     "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in __import__('sys').modules)"
 )
@@ -26,7 +26,7 @@ def _probe(**env: str) -> str:
 
 
 def test_the_engine_gets_a_short_spin_before_torch_loads():
-    from launcher.process_setup import ENGINE_GOMP_SPINCOUNT
+    from engine_core.omp_env import ENGINE_GOMP_SPINCOUNT
 
     assert _probe() == f"{ENGINE_GOMP_SPINCOUNT} True"
 

@@ -75,7 +75,9 @@ def test_benchmarks_touch_engine_core_only_in_the_offline_engine_bench():
     for path in modules("benchmarks"):
         for module, _, line in imports_of(path):
             if module.split(".")[0] == "engine_core":
-                assert path.name == "engine_measure.py", f"{path.name}:{line} imports {module}"
+                # engine.py: the bench's command, which sets up threads before torch loads
+                allowed = {"engine_measure.py", "engine.py"}
+                assert path.name in allowed, f"{path.name}:{line} imports {module}"
 
 
 def test_the_scan_sees_imports_inside_functions(tmp_path):
