@@ -32,9 +32,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")  # *.c: one op each; kernels.h: what they share
-ABI = 7  # zs_abi() of the source this module speaks to
+ABI = 8  # zs_abi() of the source this module speaks to
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16  # query heads per KV head
+TILED_MIN_ROWS = 8  # csrc/kernels.h ZS_TILED_MIN_ROWS: a run of rows of one sequence takes tiles
 
 _P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -87,6 +88,12 @@ class CpuKernels:
         self.amx = onednn_uses_amx()
         self.linear_amx = self.has_linear and bool(lib.zs_linear_amx())
         self.prefer_linear = self.has_linear and (self.linear_amx or not self.amx)
+        lib.zs_tiled_attention_ready.argtypes = [_I64] * 4
+        lib.zs_tiled_attention_ready.restype = _INT
+        lib.zs_tiled_attention_enable.argtypes = [_INT]
+        lib.zs_tiled_attention_enable.restype = _INT
+        self._tiled_ready = lib.zs_tiled_attention_ready
+        self._tiled_enable = lib.zs_tiled_attention_enable
         self.decoder = None
         if self.has_linear:
             for name, argtypes in _LINEAR_SIGNATURES.items():
@@ -99,6 +106,17 @@ class CpuKernels:
             # The decoder layers in one call (cpu_decoder.py), on the kernels' matmul.
             lib.zs_decoder.argtypes, lib.zs_decoder.restype = [_P] * 6, None
             self.decoder = lib.zs_decoder
+
+    def tiled_attention(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+    ) -> bool:
+        """Whether paged_attention takes AMX tiles for runs of rows of one sequence (prompt
+        chunks) of this shape; then no chunk needs SDPA (csrc/tiled_attention.c)."""
+        return bool(self._tiled_ready(num_heads, num_kv_heads, head_dim, block_size))
+
+    def enable_tiled_attention(self, on: bool) -> bool:
+        """Turns the tiled attention on or off (for comparisons); answers whether it was on."""
+        return bool(self._tiled_enable(int(on)))
 
     def set_threads(self, threads: int) -> int:
         """Threads the kernels split their loops over, the caller included (the pool
@@ -189,7 +207,9 @@ class CpuKernels:
         """q [N, Hq * D] (rows may be strided) → [N, Hq * D]: row n attends to the first
         row_len[n] positions of the sequence whose block table is tables[row_table[n]]
         (int32 [S, width]; row_table and row_len int32 [N]; max_len >= every row_len).
-        `out`, if given, takes the result (rows may be strided)."""
+        `out`, if given, takes the result (rows may be strided). Where tiled_attention()
+        holds, each run of TILED_MIN_ROWS or more rows of one table (a prompt chunk)
+        takes the AMX tiles, its probabilities rounded to bf16 as SDPA rounds them."""
         rows = q.shape[0]
         _, num_kv_heads, block_size, head_dim = k_cache.shape
         if out is None:

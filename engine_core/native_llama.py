@@ -43,9 +43,9 @@ from engine_core.native_lora import LoraRows, NativeLora, native_targets
 
 logger = logging.getLogger(__name__)
 
-# A prefill chunk of at least this many rows, attending to at least this many
-# (row, key) pairs, takes SDPA's tiled attention instead of the kernel's row walks:
-# from there on it is faster (BENCHMARKS.md §2, "Figures behind the code").
+# Without the kernels' tiled attention (AMX builds), a prefill chunk of at least this many
+# rows, attending to at least this many (row, key) pairs, takes SDPA's instead of the
+# row walks: from there on it is faster (BENCHMARKS.md §2, "Figures behind the code").
 DENSE_MIN_ROWS = 16
 DENSE_MIN_WORK = 16384
 
@@ -233,12 +233,12 @@ class NativeLlamaBackend:
         return cos[0].contiguous(), sin[0].contiguous()
 
     def attention_metadata(self, batch: StepBatch, cache: PagedKVCache) -> AttentionMetadata:
-        """The kernels' form where they run the forward, else the torch attention's;
-        with the step's LoRA rows, if any."""
+        """The kernels' form where they run the forward, else torch's; with any LoRA rows."""
         if self.kernels is None:
             meta = torch_metadata(batch, cache)
         else:
-            meta = _paged_rows_metadata(batch, cache)
+            shape = (self.num_heads, self.num_kv_heads, self.head_dim, cache.block_size)
+            meta = _paged_rows_metadata(batch, cache, not self.kernels.tiled_attention(*shape))
         if batch.lora is not None:
             meta.lora = LoraRows(batch.lora, len(batch.positions), self.kernels, self.dtype)
         return meta
@@ -347,8 +347,7 @@ class NativeLlamaBackend:
         """The same arithmetic in fewer passes: each residual add is fused into the
         norm after it, RoPE into the K/V cache write, SiLU·mul into the gate/up matmul
         (or its own kernel)."""
-        # Hot path: per layer four matmuls and three kernel calls (four without the kernels'
-        # matmul, which fuses SiLU·mul into gate/up); on it, all layers in one (cpu_decoder).
+        # Hot path: per layer 4 matmuls and 3-4 kernel calls; all layers in one (cpu_decoder).
         k, rows, eps, lora = self.kernels, attn_meta.rows, self.eps, attn_meta.lora
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         hidden = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
@@ -382,8 +381,8 @@ class NativeLlamaBackend:
         attn_meta: AttentionMetadata,
         layer: _Layer,
     ) -> torch.Tensor:
-        """The kernel's per-row attention, except for long prefill chunks: those take
-        SDPA's tiled attention over their gathered context (BENCHMARKS.md §2)."""
+        """The kernels' attention; without their tiles, long prefill chunks take SDPA's
+        over their gathered context (BENCHMARKS.md §2)."""
         rows, hq, window = attn_meta.rows, self.num_heads, layer.sliding_window
         if not attn_meta.prefills:
             return self.kernels.paged_attention(
@@ -415,8 +414,9 @@ def _lora_linear(linear: Linear, x: torch.Tensor, lora: LoraRows | None, slot: i
     return y
 
 
-def _paged_rows_metadata(batch: StepBatch, cache: PagedKVCache) -> AttentionMetadata:
-    """The CPU kernels' metadata: one block table per sequence, one entry per row."""
+def _paged_rows_metadata(batch: StepBatch, cache: PagedKVCache, sdpa: bool) -> AttentionMetadata:
+    """The CPU kernels' metadata: one block table per sequence, one entry per row; with
+    `sdpa`, the long prefill chunks that take SDPA's attention."""
     # Hot path: plain lists, one tensor each at the end (repeat_interleave and
     # fancy indexing cost more than the lists at these sizes).
     bs = cache.block_size
@@ -434,7 +434,7 @@ def _paged_rows_metadata(batch: StepBatch, cache: PagedKVCache) -> AttentionMeta
         else:
             row_table.extend([i] * n)
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-        if n >= DENSE_MIN_ROWS and n * (start + n) >= DENSE_MIN_WORK:
+        if sdpa and n >= DENSE_MIN_ROWS and n * (start + n) >= DENSE_MIN_WORK:
             dense.append(PrefillChunk(row, row + n, start, gather_index(cache, table)))
         row += n
     width = max(len(t) for t in tables)

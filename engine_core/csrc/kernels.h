@@ -35,6 +35,13 @@
 #define ZS_AVX512 0
 #endif
 
+/* AMX tiles (the matmul's and the tiled attention's), where compiler and CPU have them. */
+#if ZS_AVX512 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define ZS_AMX 1
+#else
+#define ZS_AMX 0
+#endif
+
 typedef uint16_t bf16;
 
 #define ZS_MAX_HEAD_DIM 256
@@ -87,6 +94,23 @@ void zs_linear(const bf16 *x, int64_t xs, const bf16 *packed, const float *bias,
                int64_t n, int64_t k, int gated, void *y, int64_t ys, int out_f32);
 /* Threads a job may use now, the caller included. */
 ZS_INTERNAL int zs_active_threads(void);
+#if ZS_AMX
+/* Runs of at least this many rows of one sequence take the tiled attention. */
+#define ZS_TILED_MIN_ROWS 8
+ZS_INTERNAL int zs_tiled_attention_fits(int64_t hq, int64_t hkv, int64_t d, int64_t block_size);
+ZS_INTERNAL void zs_tiled_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache,
+                                    const bf16 *v_cache, const int32_t *tables,
+                                    int64_t table_stride, const int32_t *row_table,
+                                    const int32_t *row_len, const int64_t *runs,
+                                    int64_t num_runs, int64_t hq, int64_t hkv, int64_t d,
+                                    int64_t block_size, int64_t window, float scale,
+                                    float softcap, bf16 *out, int64_t out_stride);
+/* Whether this process may use the tile registers (asked of Linux once). */
+ZS_INTERNAL int zs_amx_ready(void);
+/* The tile shape this thread has loaded (0: none): each user loads its own when it
+ * differs (linear.c's are 1..529, the tiled attention's ZS_AMX_ATTENTION_SHAPE). */
+ZS_INTERNAL extern __thread int zs_amx_shape;
+#endif
 /* A per-thread scratch buffer of at least `bytes`, kept for the thread's next use. */
 ZS_INTERNAL void *zs_scratch(size_t bytes);
 

@@ -18,12 +18,9 @@
 #define _GNU_SOURCE /* syscall() under -std=c11 */
 #include "kernels.h"
 
-#if ZS_AVX512 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define ZS_AMX 1
+#if ZS_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
-#else
-#define ZS_AMX 0
 #endif
 
 #if ZS_AVX512
@@ -132,7 +129,7 @@ static inline __attribute__((always_inline)) void linear_rows(
 #if ZS_AMX
 /* Whether this process may use the tile registers (Linux asks each process to request
  * them once; oneDNN makes the same request). */
-static int amx_ready(void) {
+int zs_amx_ready(void) {
     static int ready = -1;
     if (ready < 0) {
         const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
@@ -145,11 +142,11 @@ static int amx_ready(void) {
  * C (R x 16 fp32) for each block and 16-column half in tiles 0-3, A (R x 32 bf16) of
  * each block in 4 and 5, B (16 K-pairs x 16 columns) of each half in 6 and 7. Loaded
  * when the shape changes. */
-static __thread int amx_shape; /* this thread's loaded shape (0: none) */
+__thread int zs_amx_shape; /* this thread's loaded shape (0: none) */
 
 static void amx_configure(int r0, int r1) {
     const int shape = r0 + 32 * r1 + 1;
-    if (amx_shape == shape) return;
+    if (zs_amx_shape == shape) return;
     struct {
         uint8_t palette, start;
         uint8_t reserved[14];
@@ -164,7 +161,7 @@ static void amx_configure(int r0, int r1) {
         cfg.rows[t] = rows[t];
     }
     _tile_loadconfig(&cfg);
-    amx_shape = shape;
+    zs_amx_shape = shape;
 }
 
 /* linear_rows on the tile unit: R <= 32 rows, K a multiple of 32, each B tile read
@@ -305,10 +302,10 @@ void zs_linear(const bf16 *x, int64_t xs, const bf16 *packed, const float *bias,
     const int64_t tiles = (n + tile_cols(gated) - 1) / tile_cols(gated);
     const int f32 = out_f32 && !gated;
 #if ZS_AMX
-    const int tiles_unit = k % 32 == 0 && amx_ready();
+    const int tiles_unit = k % 32 == 0 && zs_amx_ready();
     /* The caller's tiles may hold oneDNN's shapes since its last call; the pool's
      * workers run nothing else, so they keep theirs. */
-    amx_shape = 0;
+    zs_amx_shape = 0;
 #else
     const int tiles_unit = 0;
 #endif
@@ -329,9 +326,9 @@ void zs_linear(const bf16 *x, int64_t xs, const bf16 *packed, const float *bias,
         zs_parallel(tiles, grain, part.m * n * k >= 16 * ZS_PARALLEL_MIN, linear_tiles, &part);
     }
 #if ZS_AMX
-    if (amx_shape) { /* tiles in use cost each of this thread's context switches 8 KB */
+    if (zs_amx_shape) { /* tiles in use cost each of this thread's context switches 8 KB */
         _tile_release();
-        amx_shape = 0;
+        zs_amx_shape = 0;
     }
 #endif
 }
@@ -339,7 +336,7 @@ void zs_linear(const bf16 *x, int64_t xs, const bf16 *packed, const float *bias,
 /* Whether zs_linear runs on the tile unit here (K a multiple of 32). */
 int zs_linear_amx(void) {
 #if ZS_AMX
-    return amx_ready();
+    return zs_amx_ready();
 #else
     return 0;
 #endif

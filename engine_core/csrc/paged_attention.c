@@ -222,6 +222,8 @@ static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
 
 #endif
 
+int zs_tiled_attention_ready(int64_t hq, int64_t hkv, int64_t d, int64_t block_size);
+
 struct attention_job {
     const bf16 *q;
     int64_t q_stride;
@@ -233,6 +235,7 @@ struct attention_job {
     float scale, softcap;
     bf16 *out;
     int64_t out_stride, s_stride;
+    const int32_t *walk; /* the rows to walk, or NULL: all of them */
 };
 
 /* The first key an item's row attends to (a sliding window starts late). */
@@ -244,7 +247,8 @@ static inline int64_t item_start(const struct attention_job *j, int64_t len) {
  * the cache, so an item that starts cold waits on memory for each one. */
 static inline __attribute__((always_inline)) void prefetch_item(const struct attention_job *j,
                                                                  int64_t item) {
-    const int64_t hkv = j->hkv, n = item / hkv, h = item % hkv, len = j->row_len[n];
+    const int64_t hkv = j->hkv, n = j->walk ? j->walk[item / hkv] : item / hkv, h = item % hkv;
+    const int64_t len = j->row_len[n];
     const int64_t bs = j->block_size, bytes = bs * j->d * (int64_t)sizeof(bf16);
     const int32_t *table = j->tables + (int64_t)j->row_table[n] * j->table_stride;
     for (int64_t b = item_start(j, len) / bs; b * bs < len; b++) {
@@ -263,7 +267,7 @@ static void attention_items(const void *job, int64_t begin, int64_t end) {
     float *s = zs_scratch(sizeof(float) * ZS_PAD_GROUPS(groups) * j->s_stride);
     for (int64_t item = begin; item < end; item++) {
         if (item + 1 < end) prefetch_item(j, item + 1);
-        const int64_t n = item / hkv, h = item % hkv;
+        const int64_t n = j->walk ? j->walk[item / hkv] : item / hkv, h = item % hkv;
         const int64_t len = j->row_len[n];
         const int64_t start = item_start(j, len);
         attend_row(j->q + n * j->q_stride + h * groups * d, j->k_cache, j->v_cache,
@@ -280,8 +284,58 @@ void zs_paged_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache,
                         float scale, float softcap, bf16 *out, int64_t out_stride,
                         int64_t max_len) {
     /* Score rows padded to 16 floats (the vector width) per query head. */
-    const struct attention_job j = {q, q_stride, k_cache, v_cache, tables, table_stride,
-                                    row_table, row_len, hq, hkv, d, block_size, window,
-                                    scale, softcap, out, out_stride, (max_len + 15) / 16 * 16};
+    struct attention_job j = {q, q_stride, k_cache, v_cache, tables, table_stride,
+                              row_table, row_len, hq, hkv, d, block_size, window,
+                              scale, softcap, out, out_stride, (max_len + 15) / 16 * 16, NULL};
+#if ZS_AMX
+    /* Runs of rows of one sequence (prompt chunks) take the tiles; the rest walk. */
+    if (rows >= ZS_TILED_MIN_ROWS && zs_tiled_attention_ready(hq, hkv, d, block_size)) {
+        int64_t *runs = malloc(sizeof(int64_t) * (size_t)(rows + 1)), num_runs = 0, walked = 0;
+        int32_t *walk = malloc(sizeof(int32_t) * (size_t)rows);
+        if (!runs || !walk) abort();
+        for (int64_t a = 0, b; a < rows; a = b) {
+            for (b = a + 1; b < rows && row_table[b] == row_table[a];) b++;
+            if (b - a >= ZS_TILED_MIN_ROWS) {
+                runs[2 * num_runs] = a, runs[2 * num_runs + 1] = b;
+                num_runs++;
+            } else {
+                for (int64_t n = a; n < b; n++) walk[walked++] = (int32_t)n;
+            }
+        }
+        if (num_runs)
+            zs_tiled_attention(q, q_stride, k_cache, v_cache, tables, table_stride, row_table,
+                               row_len, runs, num_runs, hq, hkv, d, block_size, window, scale,
+                               softcap, out, out_stride);
+        j.walk = walk;
+        if (walked) zs_parallel(walked * hkv, 4, 1, attention_items, &j);
+        free(runs);
+        free(walk);
+        if (zs_amx_shape) { /* as zs_linear: the caller's tiles go back */
+            _tile_release();
+            zs_amx_shape = 0;
+        }
+        return;
+    }
+#endif
     zs_parallel(rows * hkv, 4, 1, attention_items, &j);
+}
+
+static int tiled_enabled = 1;
+
+/* Turns the tiles for prompt chunks on or off (the tests compare them with the row
+ * walks); answers whether they were on. */
+int zs_tiled_attention_enable(int on) {
+    const int was = tiled_enabled;
+    tiled_enabled = on;
+    return was;
+}
+
+/* Whether zs_paged_attention takes the tiles for prompt chunks of this shape. */
+int zs_tiled_attention_ready(int64_t hq, int64_t hkv, int64_t d, int64_t block_size) {
+#if ZS_AMX
+    return tiled_enabled && zs_tiled_attention_fits(hq, hkv, d, block_size);
+#else
+    (void)hq, (void)hkv, (void)d, (void)block_size;
+    return 0;
+#endif
 }

@@ -301,6 +301,49 @@ def test_paged_attention_matches_an_fp32_reference(kernels, hq, hkv, d, window, 
     torch.testing.assert_close(out.float(), want, atol=4e-3, rtol=8e-3)
 
 
+@pytest.mark.parametrize(
+    "hq,hkv,d,window,softcap",
+    [
+        (8, 2, 64, None, None),  # the small llama
+        (8, 2, 64, 21, None),  # a sliding window
+        (16, 1, 128, None, 30.0),  # soft-capped scores, 16 query heads a tile
+        (14, 2, 128, None, None),  # 7 query heads per KV head
+        (4, 4, 32, None, None),  # no GQA
+    ],
+)
+@pytest.mark.parametrize("bs", [16, 32])
+def test_prompt_chunks_on_the_amx_tiles_match_an_fp32_reference(hq, hkv, d, window, softcap, bs):
+    # Rows: a decode, a 70-row chunk after 300 cached positions (two work items of the
+    # tiles), a 5-row chunk (below TILED_MIN_ROWS: row walks), a 9-row fresh prompt.
+    # The tiles round the probabilities to bf16 (as SDPA does), so they sit a little
+    # further from the fp32 reference than the walks; both paths must meet it.
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.tiled_attention(hq, hkv, d, bs):
+        pytest.skip("the tiled attention needs the AVX-512 build on an AMX CPU")
+    g = torch.Generator().manual_seed(hq * d + bs)
+    blocks = 200 if bs == 16 else 100
+    k_cache, v_cache = _cache(blocks, hkv, bs, d, g)
+    per = blocks // 4
+    tables = torch.randperm(blocks - 1, generator=g)[: 3 * per].add(1).view(3, per).to(torch.int32)
+    row_table = torch.tensor([0] + [1] * 70 + [0] * 5 + [2] * 9, dtype=torch.int32)
+    lens = [500] + list(range(301, 371)) + list(range(40, 45)) + list(range(1, 10))
+    row_len = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), 3 * hq * d, generator=g).to(BF16)[:, hq * d : 2 * hq * d]
+    args = (q, k_cache, v_cache, tables, row_table, row_len, hq, d**-0.5, window, softcap, 500)
+    want = _reference_attention(*args[:-1])
+    tiled = kernels.paged_attention(*args)
+    kernels.enable_tiled_attention(False)
+    try:
+        walked = kernels.paged_attention(*args)
+    finally:
+        kernels.enable_tiled_attention(True)
+    torch.testing.assert_close(tiled.float(), want, atol=4e-3, rtol=1e-2)
+    torch.testing.assert_close(walked.float(), want, atol=4e-3, rtol=8e-3)
+    chunk = slice(1, 71)
+    assert not torch.equal(tiled[chunk], walked[chunk]), "the chunk did not take the tiles"
+    assert torch.equal(tiled[71:76], walked[71:76]), "a run under TILED_MIN_ROWS took the tiles"
+
+
 def test_both_builds_agree_on_attention_to_rounding():
     native, portable = cpu_kernels.load(), cpu_kernels.load(portable=True)
     g = torch.Generator().manual_seed(9)

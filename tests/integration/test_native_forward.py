@@ -9,6 +9,8 @@ import torch
 from engine_oracle import SMALL_KV, greedy, make_prompts
 
 from engine_core import native_llama
+from engine_core.cpu_kernels import TILED_MIN_ROWS
+from engine_core.cpu_kernels import load as load_kernels
 from engine_core.hf_backend import TransformersBackend
 from engine_core.llm import LLM
 from engine_core.model_loader import load_model
@@ -35,7 +37,7 @@ class _Both:
     def __init__(self, runner, reference) -> None:
         self.runner, self.native, self.reference = runner, runner.backend, reference
         self.gaps: list[float] = []
-        self.tiled_chunks = 0  # prefill chunks the kernel path gave to the tiled attention
+        self.tiled_chunks = 0  # prefill chunks the kernel path gave to a tiled attention
 
     def execute(self, plan):
         runner = self.runner
@@ -44,11 +46,19 @@ class _Both:
         runner.backend = self.native
         args = runner.prepare(plan)
         if args[2].rows is not None:
-            self.tiled_chunks += len(args[2].prefills)
+            self.tiled_chunks += len(args[2].prefills) or self._chunks_on_tiles(plan)
         got = self.native.forward(*args)
         if got.numel():  # a step of partial chunks only samples nothing
             self.gaps.append((expected - got).abs().max().item())
         return got
+
+    def _chunks_on_tiles(self, plan) -> int:
+        """The step's chunks that the kernels' own tiles take (AMX builds)."""
+        native = self.native
+        shape = (native.num_heads, native.num_kv_heads, native.head_dim, 16)
+        if not native.kernels.tiled_attention(*shape):
+            return 0
+        return sum(n >= TILED_MIN_ROWS for n in plan.num_tokens)
 
 
 def _compare(
@@ -116,6 +126,30 @@ def test_long_chunks_take_the_tiled_attention_as_exactly_as_the_row_walks(
     assert tiled.tiled_chunks >= 4 and walks.tiled_chunks == 0
     assert max(tiled.gaps) <= TINY_BF16_ATOL, max(tiled.gaps)
     mean = statistics.fmean
+    assert mean(tiled.gaps) <= 1.2 * mean(walks.gaps), (mean(tiled.gaps), mean(walks.gaps))
+
+
+def test_chunks_on_the_kernels_own_tiles_drift_no_more_than_the_row_walks(small_model, monkeypatch):
+    # The AMX build's tiled attention (csrc/tiled_attention.c) takes every run of 8 or
+    # more rows of one sequence, and needs head_dim a multiple of 32: the benchmark
+    # model's 64 (the tiny ones have 16). Fresh and continued chunks of up to 160 rows
+    # beside decodes, each step against transformers' bf16 forward; then the same with
+    # every row on the row walks (no tiles, no SDPA).
+    kernels = load_kernels()
+    if kernels is None or not kernels.tiled_attention(8, 2, 64, 16):
+        pytest.skip("the kernels' tiled attention needs the AVX-512 build on AMX")
+    prompts = make_prompts((300, 200, 5, 170, 33), seed=3)
+    run = dict(prompts=prompts, budget=256, chunk=160, device="cpu")
+    tiled = _compare(small_model, "bfloat16", **run)
+    monkeypatch.setattr(native_llama, "DENSE_MIN_ROWS", 1 << 30)
+    kernels.enable_tiled_attention(False)
+    try:
+        walks = _compare(small_model, "bfloat16", **run)
+    finally:
+        kernels.enable_tiled_attention(True)
+    assert tiled.tiled_chunks >= 4 and walks.tiled_chunks == 0
+    mean = statistics.fmean
+    assert max(tiled.gaps) <= BF16_ATOL, max(tiled.gaps)
     assert mean(tiled.gaps) <= 1.2 * mean(walks.gaps), (mean(tiled.gaps), mean(walks.gaps))
 
 
