@@ -12,6 +12,12 @@
  * for the next job, then sleep on a futex instead of burning the core that the API
  * server and the load generator share with the engine. One job runs at a time (the
  * mutex); jobs do not nest.
+ *
+ * A job's epochs are even; while the caller writes a new job's fields the claim word
+ * holds the odd epoch before it, with no chunk left to claim. Without that step a
+ * worker late for the last job could claim one past its end against the new job's
+ * chunk count, run it with a mix of both jobs' fields, and count it done for the new
+ * job, whose caller then returned while a chunk of its job still ran.
  */
 #define _GNU_SOURCE
 #include <linux/futex.h>
@@ -93,6 +99,10 @@ static void *worker_main(void *arg) {
         int64_t spin_until = now_ns() + ZS_SPIN_NS;
         for (int i = 0;; i++) {
             const uint32_t e = (uint32_t)(atomic_load(&pool.claim) >> 32);
+            if (e & 1) { /* a job being set up: look again */
+                cpu_relax();
+                continue;
+            }
             if (e != seen && index < atomic_load(&pool.active)) {
                 seen = e;
                 run_chunks(e);
@@ -149,14 +159,15 @@ void zs_parallel(int64_t n, int64_t grain, int parallel, zs_task fn, const void 
     }
     pthread_mutex_lock(&pool.lock);
     const int64_t chunks = (n + grain - 1) / grain;
+    const uint32_t epoch = pool.epoch += 2;
+    atomic_store(&pool.claim, (uint64_t)(epoch - 1) << 32 | UINT32_MAX); /* closed */
     atomic_store(&pool.fn, fn);
     atomic_store(&pool.ctx, ctx);
     atomic_store(&pool.n, n);
     atomic_store(&pool.grain, grain);
     atomic_store(&pool.chunks, chunks);
     atomic_store(&pool.done, 0);
-    const uint32_t epoch = ++pool.epoch;
-    atomic_store(&pool.claim, (uint64_t)epoch << 32);
+    atomic_store(&pool.claim, (uint64_t)epoch << 32); /* open */
     if (atomic_load(&pool.sleepers)) {
         atomic_fetch_add(&pool.wake, 1);
         futex_wake(&pool.wake);
