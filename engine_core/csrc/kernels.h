@@ -97,14 +97,25 @@ ZS_INTERNAL int zs_active_threads(void);
 #if ZS_AMX
 /* Runs of at least this many rows of one sequence take the tiled attention. */
 #define ZS_TILED_MIN_ROWS 8
+/* Decode rows sharing at least this many cached keys (a prefix) take them on tiles. */
+#define ZS_SHARED_MIN_KEYS 64
+/* Query rows per tiled work item. */
+#define ZS_TILE_ROWS 64
+/* One tiled work item: `count` rows (indices into the step's) and KV head h, over the
+ * block table `table`; each row attends to its own keys, or with `shared` > 0 all to
+ * the first `shared` keys, their unnormalized sums going to `partial`. */
+struct zs_tile_item {
+    const int32_t *rows;
+    int64_t count, h, table, shared;
+};
 ZS_INTERNAL int zs_tiled_attention_fits(int64_t hq, int64_t hkv, int64_t d, int64_t block_size);
 ZS_INTERNAL void zs_tiled_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache,
                                     const bf16 *v_cache, const int32_t *tables,
-                                    int64_t table_stride, const int32_t *row_table,
-                                    const int32_t *row_len, const int64_t *runs,
-                                    int64_t num_runs, int64_t hq, int64_t hkv, int64_t d,
-                                    int64_t block_size, int64_t window, float scale,
-                                    float softcap, bf16 *out, int64_t out_stride);
+                                    int64_t table_stride, const int32_t *row_len,
+                                    const struct zs_tile_item *items, int64_t num_items,
+                                    int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
+                                    int64_t window, float scale, float softcap, bf16 *out,
+                                    int64_t out_stride, float *partial);
 /* Whether this process may use the tile registers (asked of Linux once). */
 ZS_INTERNAL int zs_amx_ready(void);
 /* The tile shape this thread has loaded (0: none): each user loads its own when it

@@ -34,7 +34,8 @@ static inline __attribute__((always_inline)) void prefetch_block(const bf16 *p, 
 static inline __attribute__((always_inline)) void attend_row_impl(
     const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table,
     int64_t start, int64_t len, int64_t h, int64_t hkv, const int64_t groups, const int64_t d,
-    int64_t bs, float scale, float softcap, bf16 *out, float *s, int64_t s_stride) {
+    int64_t bs, float scale, float softcap, bf16 *out, float *s, int64_t s_stride,
+    const float *part) {
     const int64_t n = len - start;
     const int64_t dk = (d + 31) / 32;  /* 32-bf16 chunks of a row (dot products) */
     const int64_t dv = (d + 15) / 16;  /* 16-float chunks of a row (accumulation) */
@@ -133,23 +134,30 @@ static inline __attribute__((always_inline)) void attend_row_impl(
         }
     }
     for (int64_t g = 0; g < groups; g++) {
-        const __m512 f = _mm512_set1_ps(inv[g]);
+        __m512 f = _mm512_set1_ps(inv[g]), fp = _mm512_setzero_ps();
+        if (part) { /* merge the shared prefix's sums (tiled_attention.c), by their maxima */
+            const float *pg = part + g * (d + 2), m = pg[d] > lane_max[g] ? pg[d] : lane_max[g];
+            const float a = expf(pg[d] - m), b = expf(lane_max[g] - m);
+            const float total = 1.f / (pg[d + 1] * a + b / inv[g]);
+            f = _mm512_set1_ps(b * total), fp = _mm512_set1_ps(a * total);
+        }
         for (int64_t c = 0; c < dv; c++) {
             const int64_t left = d - c * 16;
             const __mmask16 m = lanes16(left);
-            const __m256i o = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], f));
-            _mm256_mask_storeu_epi16(out + g * d + c * 16, m, o);
+            __m512 r = _mm512_mul_ps(acc[g][c], f);
+            if (part) r = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, part + g * (d + 2) + c * 16), fp, r);
+            _mm256_mask_storeu_epi16(out + g * d + c * 16, m, (__m256i)_mm512_cvtneps_pbh(r));
         }
     }
 }
 
 #define ZS_ATTEND(D, G) \
-    attend_row_impl(q, k_cache, v_cache, table, start, len, h, hkv, G, D, bs, scale, softcap, out, s, s_stride)
+    attend_row_impl(q, k_cache, v_cache, table, start, len, h, hkv, G, D, bs, scale, softcap, out, s, s_stride, part)
 
 static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
                        const int32_t *table, int64_t start, int64_t len, int64_t h,
                        int64_t hkv, int64_t groups, int64_t d, int64_t bs, float scale,
-                       float softcap, bf16 *out, float *s, int64_t s_stride) {
+                       float softcap, bf16 *out, float *s, int64_t s_stride, const float *part) {
     if (d == 64 && groups == 4) ZS_ATTEND(64, 4);
     else if (d == 64 && groups == 8) ZS_ATTEND(64, 8);
     else if (d == 64 && groups == 2) ZS_ATTEND(64, 2);
@@ -172,7 +180,8 @@ static inline const bf16 *cache_row(const bf16 *cache, const int32_t *table, int
 static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
                        const int32_t *table, int64_t start, int64_t len, int64_t h,
                        int64_t hkv, int64_t groups, int64_t d, int64_t bs, float scale,
-                       float softcap, bf16 *out, float *s, int64_t s_stride) {
+                       float softcap, bf16 *out, float *s, int64_t s_stride, const float *part) {
+    (void)part; /* shared prefixes run on AMX tiles, which this build has not */
     const int64_t n = len - start;
     float qf[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM];
     for (int64_t g = 0; g < groups; g++)
@@ -236,10 +245,13 @@ struct attention_job {
     bf16 *out;
     int64_t out_stride, s_stride;
     const int32_t *walk; /* the rows to walk, or NULL: all of them */
+    const int32_t *shared; /* per row: keys already attended to on tiles, or NULL */
+    const float *partial;  /* their sums: [row][query head][d + 2] (tiled_attention.c) */
 };
 
-/* The first key an item's row attends to (a sliding window starts late). */
-static inline int64_t item_start(const struct attention_job *j, int64_t len) {
+/* The first key row n walks (a sliding window starts late; a shared prefix is done). */
+static inline int64_t item_start(const struct attention_job *j, int64_t n, int64_t len) {
+    if (j->shared && j->shared[n]) return j->shared[n];
     return (j->window > 0 && len > j->window) ? len - j->window : 0;
 }
 
@@ -251,7 +263,7 @@ static inline __attribute__((always_inline)) void prefetch_item(const struct att
     const int64_t len = j->row_len[n];
     const int64_t bs = j->block_size, bytes = bs * j->d * (int64_t)sizeof(bf16);
     const int32_t *table = j->tables + (int64_t)j->row_table[n] * j->table_stride;
-    for (int64_t b = item_start(j, len) / bs; b * bs < len; b++) {
+    for (int64_t b = item_start(j, n, len) / bs; b * bs < len; b++) {
         const int64_t base = ((int64_t)table[b] * hkv + h) * bs * j->d;
         for (int64_t o = 0; o < bytes; o += 64) {
             __builtin_prefetch((const char *)(j->k_cache + base) + o, 0, 2);
@@ -269,13 +281,104 @@ static void attention_items(const void *job, int64_t begin, int64_t end) {
         if (item + 1 < end) prefetch_item(j, item + 1);
         const int64_t n = j->walk ? j->walk[item / hkv] : item / hkv, h = item % hkv;
         const int64_t len = j->row_len[n];
-        const int64_t start = item_start(j, len);
+        const int64_t start = item_start(j, n, len);
+        const float *part = j->shared && j->shared[n] ? j->partial + (n * j->hq + h * groups) * (d + 2) : NULL;
         attend_row(j->q + n * j->q_stride + h * groups * d, j->k_cache, j->v_cache,
                    j->tables + (int64_t)j->row_table[n] * j->table_stride, start, len, h, hkv,
                    groups, d, j->block_size, j->scale, j->softcap,
-                   j->out + n * j->out_stride + h * groups * d, s, j->s_stride);
+                   j->out + n * j->out_stride + h * groups * d, s, j->s_stride, part);
     }
 }
+
+#if ZS_AMX
+static int by_first_block(const void *a, const void *b) {
+    const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Adds the tiled work items of `count` rows (ZS_TILE_ROWS at most each), one per KV head. */
+static struct zs_tile_item *add_items(struct zs_tile_item *it, const int32_t *rows, int64_t count,
+                                      int64_t hkv, int64_t table, int64_t shared) {
+    for (int64_t a = 0; a < count; a += ZS_TILE_ROWS)
+        for (int64_t h = 0; h < hkv; h++, it++) {
+            it->rows = rows + a;
+            it->count = count - a < ZS_TILE_ROWS ? count - a : ZS_TILE_ROWS;
+            it->h = h, it->table = table, it->shared = shared;
+        }
+    return it;
+}
+
+/* zs_paged_attention on an AMX CPU: runs of ZS_TILED_MIN_ROWS or more rows of one table
+ * (prompt chunks) on tiles; of the other rows, those whose tables start with the same
+ * blocks (a cached prefix: the prefix cache shares a block only by its content) attend
+ * to those blocks together on tiles, as many rows a tile as its 16 columns hold, then
+ * walk only their own keys and merge the two. Not with a sliding window (it moves with
+ * each row). */
+static void tiled_then_walked(struct attention_job *j, int64_t rows) {
+    const int64_t hkv = j->hkv, bs = j->block_size, stride = j->table_stride;
+    int32_t *lists = malloc(sizeof(int32_t) * (size_t)rows * 3), *walk = lists + rows;
+    int32_t *grouped = walk + rows, *shared = calloc((size_t)rows, sizeof(int32_t));
+    uint64_t *keyed = malloc(sizeof(uint64_t) * (size_t)rows);
+    struct zs_tile_item *items = malloc(sizeof(*items) * (size_t)(rows + 1) * (size_t)hkv);
+    if (!lists || !shared || !keyed || !items) abort();
+    struct zs_tile_item *it = items;
+    int64_t walked = 0, in_groups = 0;
+    for (int64_t n = 0; n < rows; n++) lists[n] = (int32_t)n;
+    for (int64_t a = 0, b; a < rows; a = b) {
+        for (b = a + 1; b < rows && j->row_table[b] == j->row_table[a];) b++;
+        if (b - a >= ZS_TILED_MIN_ROWS) it = add_items(it, lists + a, b - a, hkv, j->row_table[a], 0);
+        else
+            for (int64_t n = a; n < b; n++) walk[walked++] = (int32_t)n;
+    }
+    for (int64_t i = 0; j->window <= 0 && i < walked; i++) {
+        const int32_t *t = j->tables + (int64_t)j->row_table[walk[i]] * stride;
+        keyed[i] = (uint64_t)(uint32_t)t[0] << 32 | (uint32_t)walk[i];
+    }
+    if (j->window <= 0) qsort(keyed, (size_t)walked, sizeof(uint64_t), by_first_block);
+    for (int64_t a = 0, b; j->window <= 0 && a < walked; a = b) {
+        for (b = a + 1; b < walked && keyed[b] >> 32 == keyed[a] >> 32;) b++;
+        if (b - a < 2) continue;
+        /* The leading blocks all of them share, each before its row's own last block. */
+        const int32_t *t0 = j->tables + (int64_t)j->row_table[(int32_t)keyed[a]] * stride;
+        int64_t m = INT64_MAX;
+        for (int64_t i = a; i < b; i++) {
+            const int32_t n = (int32_t)keyed[i], *t = j->tables + (int64_t)j->row_table[n] * stride;
+            const int64_t own = (j->row_len[n] - 1) / bs;
+            int64_t k = 0;
+            while (k < own && k < m && t[k] == t0[k]) k++;
+            m = k;
+        }
+        if (m * bs < ZS_SHARED_MIN_KEYS) continue;
+        int32_t *group = grouped + in_groups;
+        for (int64_t i = a; i < b; i++) {
+            group[i - a] = (int32_t)keyed[i];
+            shared[(int32_t)keyed[i]] = (int32_t)(m * bs);
+        }
+        it = add_items(it, group, b - a, hkv, j->row_table[group[0]], m * bs);
+        in_groups += b - a;
+    }
+    float *partial = NULL;
+    if (in_groups && !(partial = malloc(sizeof(float) * (size_t)(rows * j->hq * (j->d + 2)))))
+        abort();
+    if (it > items)
+        zs_tiled_attention(j->q, j->q_stride, j->k_cache, j->v_cache, j->tables, stride,
+                           j->row_len, items, it - items, j->hq, hkv, j->d, bs, j->window,
+                           j->scale, j->softcap, j->out, j->out_stride, partial);
+    j->walk = walk;
+    j->shared = in_groups ? shared : NULL;
+    j->partial = partial;
+    if (walked) zs_parallel(walked * hkv, 4, 1, attention_items, j);
+    free(partial);
+    free(items);
+    free(keyed);
+    free(shared);
+    free(lists);
+    if (zs_amx_shape) { /* as zs_linear: the caller's tiles go back */
+        _tile_release();
+        zs_amx_shape = 0;
+    }
+}
+#endif
 
 void zs_paged_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache,
                         const bf16 *v_cache, const int32_t *tables, int64_t table_stride,
@@ -286,34 +389,13 @@ void zs_paged_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache,
     /* Score rows padded to 16 floats (the vector width) per query head. */
     struct attention_job j = {q, q_stride, k_cache, v_cache, tables, table_stride,
                               row_table, row_len, hq, hkv, d, block_size, window,
-                              scale, softcap, out, out_stride, (max_len + 15) / 16 * 16, NULL};
+                              scale, softcap, out, out_stride, (max_len + 15) / 16 * 16,
+                              NULL, NULL, NULL};
 #if ZS_AMX
-    /* Runs of rows of one sequence (prompt chunks) take the tiles; the rest walk. */
-    if (rows >= ZS_TILED_MIN_ROWS && zs_tiled_attention_ready(hq, hkv, d, block_size)) {
-        int64_t *runs = malloc(sizeof(int64_t) * (size_t)(rows + 1)), num_runs = 0, walked = 0;
-        int32_t *walk = malloc(sizeof(int32_t) * (size_t)rows);
-        if (!runs || !walk) abort();
-        for (int64_t a = 0, b; a < rows; a = b) {
-            for (b = a + 1; b < rows && row_table[b] == row_table[a];) b++;
-            if (b - a >= ZS_TILED_MIN_ROWS) {
-                runs[2 * num_runs] = a, runs[2 * num_runs + 1] = b;
-                num_runs++;
-            } else {
-                for (int64_t n = a; n < b; n++) walk[walked++] = (int32_t)n;
-            }
-        }
-        if (num_runs)
-            zs_tiled_attention(q, q_stride, k_cache, v_cache, tables, table_stride, row_table,
-                               row_len, runs, num_runs, hq, hkv, d, block_size, window, scale,
-                               softcap, out, out_stride);
-        j.walk = walk;
-        if (walked) zs_parallel(walked * hkv, 4, 1, attention_items, &j);
-        free(runs);
-        free(walk);
-        if (zs_amx_shape) { /* as zs_linear: the caller's tiles go back */
-            _tile_release();
-            zs_amx_shape = 0;
-        }
+    /* Runs of rows of one sequence (prompt chunks) take the tiles, and so do the
+     * prefixes that several walked rows share (cached prompts); the rest walk. */
+    if (rows > 1 && zs_tiled_attention_ready(hq, hkv, d, block_size)) {
+        tiled_then_walked(&j, rows);
         return;
     }
 #endif

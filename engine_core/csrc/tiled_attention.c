@@ -15,7 +15,6 @@
 
 #if ZS_AMX
 
-#define TILE_ROWS 64 /* query rows of one run per work item */
 #define ZS_AMX_ATTENTION_SHAPE (1 << 20)
 
 struct tiled_job {
@@ -25,11 +24,12 @@ struct tiled_job {
     const int32_t *tables;
     int64_t table_stride;
     const int32_t *row_len;
-    const int64_t *items; /* [n][4]: first row, end row, KV head, row_table entry */
+    const struct zs_tile_item *items;
     int64_t hq, hkv, d, bs, window;
     float scale, softcap;
     bf16 *out;
     int64_t out_stride;
+    float *partial; /* shared items' sums: [row][query head][d + 2] */
 };
 
 /* Every tile 16 rows of 64 bytes: A (Q or P) in 0, B (Kᵀ or V pairs) in 1, the scores'
@@ -81,6 +81,16 @@ static inline int64_t first_key(int64_t len, int64_t window) {
     return (window > 0 && len > window) ? len - window : 0;
 }
 
+/* The keys [k0, len) row n attends to in this item: its own, or the shared prefix. */
+static inline void row_keys(const struct tiled_job *j, const struct zs_tile_item *it, int64_t n,
+                            int64_t *k0, int64_t *len) {
+    if (it->shared) {
+        *k0 = 0, *len = it->shared;
+    } else {
+        *len = j->row_len[n], *k0 = first_key(*len, j->window);
+    }
+}
+
 /* The cache row of key `pos` of KV head h. */
 static inline const bf16 *key_row(const struct tiled_job *j, const bf16 *cache,
                                   const int32_t *table, int64_t pos, int64_t h) {
@@ -119,13 +129,14 @@ static inline void pv_pass(const bf16 *pb, int64_t pstride, const bf16 *vn, int6
     if (nt > 3) _tile_stored(7, o + c0 * 16 + 48, ob);
 }
 
-static void tiled_item(const struct tiled_job *j, const int64_t *item) {
-    const int64_t first = item[0], end = item[1], h = item[2], d = j->d;
+static void tiled_item(const struct tiled_job *j, const struct zs_tile_item *it) {
+    const int64_t count = it->count, h = it->h, d = j->d;
     const int64_t groups = j->hq / j->hkv, per_tile = 16 / groups, d32 = d / 32, d16 = d / 16;
-    const int32_t *table = j->tables + item[3] * j->table_stride;
+    const int32_t *table = j->tables + it->table * j->table_stride;
     int64_t kb = INT64_MAX, ke = 0; /* the item's keys: [kb, ke), kb 16-aligned */
-    for (int64_t n = first; n < end; n++) {
-        const int64_t len = j->row_len[n], k0 = first_key(len, j->window);
+    for (int64_t i = 0; i < count; i++) {
+        int64_t k0, len;
+        row_keys(j, it, it->rows[i], &k0, &len);
         if (k0 < kb) kb = k0;
         if (len > ke) ke = len;
     }
@@ -184,16 +195,18 @@ static void tiled_item(const struct tiled_job *j, const int64_t *item) {
     }
     tiles_configure();
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int64_t r0 = first; r0 < end; r0 += per_tile) {
-        const int64_t rows = end - r0 < per_tile ? end - r0 : per_tile, cols = rows * groups;
+    for (int64_t r0 = 0; r0 < count; r0 += per_tile) {
+        const int64_t rows = count - r0 < per_tile ? count - r0 : per_tile, cols = rows * groups;
         int64_t lo = INT64_MAX, hi = 0; /* this tile's keys */
-        float inv[16];
+        float inv[16], shift[16];
         for (int64_t c = 0; c < cols; c++) {
-            const bf16 *qr = j->q + (r0 + c / groups) * j->q_stride + (h * groups + c % groups) * d;
-            memcpy(aq + c * d, qr, (size_t)d * sizeof(bf16));
+            const int64_t n = it->rows[r0 + c / groups];
+            memcpy(aq + c * d, j->q + n * j->q_stride + (h * groups + c % groups) * d,
+                   (size_t)d * sizeof(bf16));
         }
         for (int64_t r = r0; r < r0 + rows; r++) {
-            const int64_t len = j->row_len[r], k0 = first_key(len, j->window);
+            int64_t k0, len;
+            row_keys(j, it, it->rows[r], &k0, &len);
             if (k0 < lo) lo = k0;
             if (len > hi) hi = len;
         }
@@ -210,7 +223,8 @@ static void tiled_item(const struct tiled_job *j, const int64_t *item) {
         /* Softmax along each column's scores; P as bf16 over whole 32-key groups. */
         const int64_t g0 = i0 / 2, g1 = (i1 + 1) / 2;
         for (int64_t c = 0; c < cols; c++) {
-            const int64_t len = j->row_len[r0 + c / groups], k0 = first_key(len, j->window);
+            int64_t k0, len;
+            row_keys(j, it, it->rows[r0 + c / groups], &k0, &len);
             float *sc = s + c * nk32;
             bf16 *pc = pb + c * nk32;
             /* The max of the raw scores (the scale is positive); -inf off the row's keys,
@@ -238,18 +252,19 @@ static void tiled_item(const struct tiled_job *j, const int64_t *item) {
                 best = _mm512_max_ps(best, x);
             }
             const float scale = capped ? 1.f : j->scale;
-            const __m512 f = _mm512_set1_ps(scale), shift = _mm512_set1_ps(_mm512_reduce_max_ps(best) * scale);
+            shift[c] = _mm512_reduce_max_ps(best) * scale;
+            const __m512 f = _mm512_set1_ps(scale), shift_v = _mm512_set1_ps(shift[c]);
             __m512 sum = _mm512_setzero_ps();
             for (int64_t i = i0; i < i1; i++) {
                 const __m512 x = _mm512_loadu_ps(sc + 16 * i);
-                __m512 e = exp512(_mm512_fmsub_ps(x, f, shift));
+                __m512 e = exp512(_mm512_fmsub_ps(x, f, shift_v));
                 const int64_t p0 = kb + 16 * i;
                 if (p0 < k0 || p0 + 16 > len) /* exp512 of -inf is tiny, not 0 */
                     e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), e);
                 sum = _mm512_add_ps(sum, e);
                 _mm256_storeu_si256((__m256i *)(pc + 16 * i), (__m256i)_mm512_cvtneps_pbh(e));
             }
-            inv[c] = 1.f / _mm512_reduce_add_ps(sum);
+            inv[c] = _mm512_reduce_add_ps(sum); /* the sum; its inverse below */
             if (2 * g0 < i0) memset(pc + 32 * g0, 0, 16 * sizeof(bf16));
             if (i1 < 2 * g1) memset(pc + 16 * i1, 0, 16 * sizeof(bf16));
         }
@@ -258,8 +273,15 @@ static void tiled_item(const struct tiled_job *j, const int64_t *item) {
             pv_pass(pb, nk32, vn, d16, g0, g1, c0, nt, o, d);
         }
         for (int64_t c = 0; c < cols; c++) {
-            bf16 *dst = j->out + (r0 + c / groups) * j->out_stride + (h * groups + c % groups) * d;
-            const __m512 f = _mm512_set1_ps(inv[c]);
+            const int64_t n = it->rows[r0 + c / groups], head = h * groups + c % groups;
+            if (it->shared) { /* the sums, for the row walk to finish (paged_attention.c) */
+                float *dst = j->partial + (n * j->hq + head) * (d + 2);
+                memcpy(dst, o + c * d, (size_t)d * sizeof(float));
+                dst[d] = shift[c], dst[d + 1] = inv[c];
+                continue;
+            }
+            bf16 *dst = j->out + n * j->out_stride + head * d;
+            const __m512 f = _mm512_set1_ps(1.f / inv[c]);
             for (int64_t x = 0; x < d; x += 16) {
                 const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(o + c * d + x), f);
                 _mm256_storeu_si256((__m256i *)(dst + x), (__m256i)_mm512_cvtneps_pbh(v));
@@ -270,7 +292,7 @@ static void tiled_item(const struct tiled_job *j, const int64_t *item) {
 
 static void tiled_items(const void *job, int64_t begin, int64_t end) {
     const struct tiled_job *j = job;
-    for (int64_t i = begin; i < end; i++) tiled_item(j, j->items + 4 * i);
+    for (int64_t i = begin; i < end; i++) tiled_item(j, j->items + i);
 }
 
 int zs_tiled_attention_fits(int64_t hq, int64_t hkv, int64_t d, int64_t block_size) {
@@ -279,28 +301,14 @@ int zs_tiled_attention_fits(int64_t hq, int64_t hkv, int64_t d, int64_t block_si
 }
 
 void zs_tiled_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache,
-                        const int32_t *tables, int64_t table_stride, const int32_t *row_table,
-                        const int32_t *row_len, const int64_t *runs, int64_t num_runs,
-                        int64_t hq, int64_t hkv, int64_t d, int64_t block_size, int64_t window,
-                        float scale, float softcap, bf16 *out, int64_t out_stride) {
-    int64_t n = 0;
-    for (int64_t r = 0; r < num_runs; r++)
-        n += (runs[2 * r + 1] - runs[2 * r] + TILE_ROWS - 1) / TILE_ROWS * hkv;
-    int64_t *items = malloc((size_t)n * 4 * sizeof(int64_t)), *it = items;
-    if (!items) abort();
-    for (int64_t r = 0; r < num_runs; r++)
-        for (int64_t a = runs[2 * r]; a < runs[2 * r + 1]; a += TILE_ROWS)
-            for (int64_t h = 0; h < hkv; h++, it += 4) {
-                it[0] = a;
-                it[1] = a + TILE_ROWS < runs[2 * r + 1] ? a + TILE_ROWS : runs[2 * r + 1];
-                it[2] = h;
-                it[3] = row_table[a];
-            }
+                        const int32_t *tables, int64_t table_stride, const int32_t *row_len,
+                        const struct zs_tile_item *items, int64_t num_items, int64_t hq,
+                        int64_t hkv, int64_t d, int64_t block_size, int64_t window, float scale,
+                        float softcap, bf16 *out, int64_t out_stride, float *partial) {
     const struct tiled_job j = {q, q_stride, k_cache, v_cache, tables, table_stride, row_len,
                                 items, hq, hkv, d, block_size, window, scale, softcap, out,
-                                out_stride};
-    zs_parallel(n, 1, 1, tiled_items, &j);
-    free(items);
+                                out_stride, partial};
+    zs_parallel(num_items, 1, 1, tiled_items, &j);
 }
 
 #endif

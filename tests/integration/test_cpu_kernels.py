@@ -344,6 +344,46 @@ def test_prompt_chunks_on_the_amx_tiles_match_an_fp32_reference(hq, hkv, d, wind
     assert torch.equal(tiled[71:76], walked[71:76]), "a run under TILED_MIN_ROWS took the tiles"
 
 
+@pytest.mark.parametrize(
+    "hq,hkv,d,softcap,bs",
+    [(8, 2, 64, None, 16), (16, 1, 128, 30.0, 16), (14, 2, 128, None, 32), (4, 4, 32, None, 16)],
+)
+def test_decode_rows_sharing_a_cached_prefix_attend_to_it_on_the_tiles(hq, hkv, d, softcap, bs):
+    # Nine sequences over three 160-token prefixes (the same leading blocks, as the prefix
+    # cache shares them), each with blocks of its own after; a tenth shares only 32 keys
+    # with the first three (under ZS_SHARED_MIN_KEYS: that whole group walks), and a 9-row
+    # chunk rides along on the tiles. The shared groups' rows must meet the fp32
+    # reference (their prefix on tiles, P in bf16, merged with their own keys' walk).
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.tiled_attention(hq, hkv, d, bs):
+        pytest.skip("the tiled attention needs the AVX-512 build on an AMX CPU")
+    g = torch.Generator().manual_seed(hq * d + bs)
+    k_cache, v_cache = _cache(600, hkv, bs, d, g)
+    perm = torch.randperm(599, generator=g).add(1).tolist()
+    per = 160 // bs
+    prefixes = [perm[i * per : (i + 1) * per] for i in range(3)]
+    rest = perm[3 * per :]
+    tabs = [prefixes[i % 3] + rest[i * 12 : (i + 1) * 12] for i in range(9)]
+    tabs.append(prefixes[0][: 32 // bs] + rest[200:212])
+    width = max(len(t) for t in tabs)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in tabs], dtype=torch.int32)
+    row_table = torch.tensor(list(range(10)) + [4] * 9, dtype=torch.int32)
+    lens = [161, 170, 200, 250, 201, 300, 163, 180, 190, 60] + list(range(60, 69))
+    row_len = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), 3 * hq * d, generator=g).to(BF16)[:, hq * d : 2 * hq * d]
+    args = (q, k_cache, v_cache, tables, row_table, row_len, hq, d**-0.5, None, softcap, 300)
+    want = _reference_attention(*args[:-1])
+    tiled = kernels.paged_attention(*args)
+    kernels.enable_tiled_attention(False)
+    try:
+        walked = kernels.paged_attention(*args)
+    finally:
+        kernels.enable_tiled_attention(True)
+    torch.testing.assert_close(tiled.float(), want, atol=4e-3, rtol=1e-2)
+    differ = [n for n in range(len(lens)) if not torch.equal(tiled[n], walked[n])]
+    assert differ == [1, 2, 4, 5, 7, 8, *range(10, 19)], differ
+
+
 def test_both_builds_agree_on_attention_to_rounding():
     native, portable = cpu_kernels.load(), cpu_kernels.load(portable=True)
     g = torch.Generator().manual_seed(9)

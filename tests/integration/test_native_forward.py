@@ -38,6 +38,7 @@ class _Both:
         self.runner, self.native, self.reference = runner, runner.backend, reference
         self.gaps: list[float] = []
         self.tiled_chunks = 0  # prefill chunks the kernel path gave to a tiled attention
+        self.shared_steps = 0  # steps with rows whose block tables start alike
 
     def execute(self, plan):
         runner = self.runner
@@ -47,6 +48,8 @@ class _Both:
         args = runner.prepare(plan)
         if args[2].rows is not None:
             self.tiled_chunks += len(args[2].prefills) or self._chunks_on_tiles(plan)
+            firsts = args[2].rows.tables[:, 0].tolist()
+            self.shared_steps += len(set(firsts)) < len(firsts)
         got = self.native.forward(*args)
         if got.numel():  # a step of partial chunks only samples nothing
             self.gaps.append((expected - got).abs().max().item())
@@ -148,6 +151,30 @@ def test_chunks_on_the_kernels_own_tiles_drift_no_more_than_the_row_walks(small_
     finally:
         kernels.enable_tiled_attention(True)
     assert tiled.tiled_chunks >= 4 and walks.tiled_chunks == 0
+    mean = statistics.fmean
+    assert max(tiled.gaps) <= BF16_ATOL, max(tiled.gaps)
+    assert mean(tiled.gaps) <= 1.2 * mean(walks.gaps), (mean(tiled.gaps), mean(walks.gaps))
+
+
+def test_decode_rows_of_a_cached_prefix_on_the_tiles_drift_no_more_than_the_row_walks(
+    small_model,
+):
+    # Five prompts behind one 200-token prefix (the prefix cache shares its blocks), 24
+    # tokens each: their decode rows attend to the shared blocks together on the tiles
+    # (csrc/paged_attention.c: tiled_then_walked), then walk their own keys.
+    kernels = load_kernels()
+    if kernels is None or not kernels.tiled_attention(8, 2, 64, 16):
+        pytest.skip("the kernels' tiled attention needs the AVX-512 build on AMX")
+    prefix = make_prompts((200,), seed=5)[0]
+    prompts = [prefix + tail for tail in make_prompts((3, 9, 17, 30, 41), seed=6)]
+    run = dict(prompts=prompts, budget=512, chunk=512, device="cpu")
+    tiled = _compare(small_model, "bfloat16", **run)
+    kernels.enable_tiled_attention(False)
+    try:
+        walks = _compare(small_model, "bfloat16", **run)
+    finally:
+        kernels.enable_tiled_attention(True)
+    assert tiled.shared_steps >= 10
     mean = statistics.fmean
     assert max(tiled.gaps) <= BF16_ATOL, max(tiled.gaps)
     assert mean(tiled.gaps) <= 1.2 * mean(walks.gaps), (mean(tiled.gaps), mean(walks.gaps))
