@@ -94,6 +94,28 @@ void zs_linear(const bf16 *x, int64_t xs, const bf16 *packed, const float *bias,
                int64_t n, int64_t k, int gated, void *y, int64_t ys, int out_f32);
 /* Threads a job may use now, the caller included. */
 ZS_INTERNAL int zs_active_threads(void);
+/* The first key a row of row_len `len` attends to: a sliding window starts late. */
+static inline int64_t zs_first_key(int64_t len, int64_t window) {
+    return (window > 0 && len > window) ? len - window : 0;
+}
+
+/* One call of zs_paged_attention, as its row walks (paged_attention.c) and its tiles
+ * (tiled_attention.c) both read it. */
+struct zs_attention_job {
+    const bf16 *q;
+    int64_t q_stride;
+    const bf16 *k_cache, *v_cache;
+    const int32_t *tables;
+    int64_t table_stride;
+    const int32_t *row_table, *row_len;
+    int64_t hq, hkv, d, block_size, window;
+    float scale, softcap;
+    bf16 *out;
+    int64_t out_stride, s_stride;
+    const int32_t *walk;   /* the rows to walk, or NULL: all of them */
+    const int32_t *shared; /* per row: keys already attended to on tiles, or NULL */
+    float *partial;        /* the tiles' sums for those: [row][query head][d + 2] */
+};
 #if ZS_AMX
 /* Runs of at least this many rows of one sequence take the tiled attention. */
 #define ZS_TILED_MIN_ROWS 8
@@ -103,24 +125,25 @@ ZS_INTERNAL int zs_active_threads(void);
 #define ZS_TILE_ROWS 64
 /* One tiled work item: `count` rows (indices into the step's) and KV head h, over the
  * block table `table`; each row attends to its own keys, or with `shared` > 0 all to
- * the first `shared` keys, their unnormalized sums going to `partial`. */
+ * the first `shared` keys, their unnormalized sums going to the job's `partial`. */
 struct zs_tile_item {
     const int32_t *rows;
     int64_t count, h, table, shared;
 };
 ZS_INTERNAL int zs_tiled_attention_fits(int64_t hq, int64_t hkv, int64_t d, int64_t block_size);
-ZS_INTERNAL void zs_tiled_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache,
-                                    const bf16 *v_cache, const int32_t *tables,
-                                    int64_t table_stride, const int32_t *row_len,
-                                    const struct zs_tile_item *items, int64_t num_items,
-                                    int64_t hq, int64_t hkv, int64_t d, int64_t block_size,
-                                    int64_t window, float scale, float softcap, bf16 *out,
-                                    int64_t out_stride, float *partial);
+ZS_INTERNAL void zs_tiled_attention(const struct zs_attention_job *job,
+                                    const struct zs_tile_item *items, int64_t num_items);
 /* Whether this process may use the tile registers (asked of Linux once). */
 ZS_INTERNAL int zs_amx_ready(void);
 /* The tile shape this thread has loaded (0: none): each user loads its own when it
  * differs (linear.c's are 1..529, the tiled attention's ZS_AMX_ATTENTION_SHAPE). */
 ZS_INTERNAL extern __thread int zs_amx_shape;
+/* Loads tile shape `shape` unless it is this thread's already: tile t of rows[t] rows of
+ * 64 bytes (0: unused). */
+ZS_INTERNAL void zs_amx_load(int shape, const uint8_t rows[8]);
+/* Gives the calling thread's tiles back (a caller's, after a job; the pool's workers
+ * keep theirs). */
+ZS_INTERNAL void zs_amx_release(void);
 #endif
 /* A per-thread scratch buffer of at least `bytes`, kept for the thread's next use. */
 ZS_INTERNAL void *zs_scratch(size_t bytes);

@@ -138,14 +138,9 @@ int zs_amx_ready(void) {
     return ready;
 }
 
-/* The tile shapes for up to 32 rows of x, R0 in the first 16 and R1 in the next:
- * C (R x 16 fp32) for each block and 16-column half in tiles 0-3, A (R x 32 bf16) of
- * each block in 4 and 5, B (16 K-pairs x 16 columns) of each half in 6 and 7. Loaded
- * when the shape changes. */
 __thread int zs_amx_shape; /* this thread's loaded shape (0: none) */
 
-static void amx_configure(int r0, int r1) {
-    const int shape = r0 + 32 * r1 + 1;
+void zs_amx_load(int shape, const uint8_t rows[8]) {
     if (zs_amx_shape == shape) return;
     struct {
         uint8_t palette, start;
@@ -155,13 +150,30 @@ static void amx_configure(int r0, int r1) {
     } __attribute__((packed)) cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
-    const uint8_t rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
     for (int t = 0; t < 8; t++) {
         cfg.colsb[t] = rows[t] ? 64 : 0;
         cfg.rows[t] = rows[t];
     }
+    /* GCC does not count ldtilecfg as reading all 64 bytes and drops the stores above
+     * when this is not inlined: make them happen. */
+    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
     zs_amx_shape = shape;
+}
+
+void zs_amx_release(void) {
+    if (zs_amx_shape) { /* tiles in use cost each of this thread's context switches 8 KB */
+        _tile_release();
+        zs_amx_shape = 0;
+    }
+}
+
+/* The tile shapes for up to 32 rows of x, R0 in the first 16 and R1 in the next:
+ * C (R x 16 fp32) for each block and 16-column half in tiles 0-3, A (R x 32 bf16) of
+ * each block in 4 and 5, B (16 K-pairs x 16 columns) of each half in 6 and 7. */
+static void amx_configure(int r0, int r1) {
+    const uint8_t rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
+    zs_amx_load(r0 + 32 * r1 + 1, rows);
 }
 
 /* linear_rows on the tile unit: R <= 32 rows, K a multiple of 32, each B tile read
@@ -326,10 +338,7 @@ void zs_linear(const bf16 *x, int64_t xs, const bf16 *packed, const float *bias,
         zs_parallel(tiles, grain, part.m * n * k >= 16 * ZS_PARALLEL_MIN, linear_tiles, &part);
     }
 #if ZS_AMX
-    if (zs_amx_shape) { /* tiles in use cost each of this thread's context switches 8 KB */
-        _tile_release();
-        zs_amx_shape = 0;
-    }
+    zs_amx_release();
 #endif
 }
 

@@ -151,8 +151,9 @@ static inline __attribute__((always_inline)) void attend_row_impl(
     }
 }
 
-#define ZS_ATTEND(D, G) \
-    attend_row_impl(q, k_cache, v_cache, table, start, len, h, hkv, G, D, bs, scale, softcap, out, s, s_stride, part)
+#define ZS_ATTEND(D, G)                                                                      \
+    attend_row_impl(q, k_cache, v_cache, table, start, len, h, hkv, G, D, bs, scale, softcap, \
+                    out, s, s_stride, part)
 
 static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
                        const int32_t *table, int64_t start, int64_t len, int64_t h,
@@ -233,31 +234,15 @@ static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
 
 int zs_tiled_attention_ready(int64_t hq, int64_t hkv, int64_t d, int64_t block_size);
 
-struct attention_job {
-    const bf16 *q;
-    int64_t q_stride;
-    const bf16 *k_cache, *v_cache;
-    const int32_t *tables;
-    int64_t table_stride;
-    const int32_t *row_table, *row_len;
-    int64_t hq, hkv, d, block_size, window;
-    float scale, softcap;
-    bf16 *out;
-    int64_t out_stride, s_stride;
-    const int32_t *walk; /* the rows to walk, or NULL: all of them */
-    const int32_t *shared; /* per row: keys already attended to on tiles, or NULL */
-    const float *partial;  /* their sums: [row][query head][d + 2] (tiled_attention.c) */
-};
-
 /* The first key row n walks (a sliding window starts late; a shared prefix is done). */
-static inline int64_t item_start(const struct attention_job *j, int64_t n, int64_t len) {
+static inline int64_t item_start(const struct zs_attention_job *j, int64_t n, int64_t len) {
     if (j->shared && j->shared[n]) return j->shared[n];
-    return (j->window > 0 && len > j->window) ? len - j->window : 0;
+    return zs_first_key(len, j->window);
 }
 
 /* Ask for all of one item's K and V blocks into L2: the blocks are scattered over
  * the cache, so an item that starts cold waits on memory for each one. */
-static inline __attribute__((always_inline)) void prefetch_item(const struct attention_job *j,
+static inline __attribute__((always_inline)) void prefetch_item(const struct zs_attention_job *j,
                                                                  int64_t item) {
     const int64_t hkv = j->hkv, n = j->walk ? j->walk[item / hkv] : item / hkv, h = item % hkv;
     const int64_t len = j->row_len[n];
@@ -274,7 +259,7 @@ static inline __attribute__((always_inline)) void prefetch_item(const struct att
 
 /* Items are (row, KV head) pairs; each one fetches the next while it computes. */
 static void attention_items(const void *job, int64_t begin, int64_t end) {
-    const struct attention_job *j = job;
+    const struct zs_attention_job *j = job;
     const int64_t hkv = j->hkv, groups = j->hq / hkv, d = j->d;
     float *s = zs_scratch(sizeof(float) * ZS_PAD_GROUPS(groups) * j->s_stride);
     for (int64_t item = begin; item < end; item++) {
@@ -314,7 +299,7 @@ static struct zs_tile_item *add_items(struct zs_tile_item *it, const int32_t *ro
  * to those blocks together on tiles, as many rows a tile as its 16 columns hold, then
  * walk only their own keys and merge the two. Not with a sliding window (it moves with
  * each row). */
-static void tiled_then_walked(struct attention_job *j, int64_t rows) {
+static void tiled_then_walked(struct zs_attention_job *j, int64_t rows) {
     const int64_t hkv = j->hkv, bs = j->block_size, stride = j->table_stride;
     int32_t *lists = malloc(sizeof(int32_t) * (size_t)rows * 3), *walk = lists + rows;
     int32_t *grouped = walk + rows, *shared = calloc((size_t)rows, sizeof(int32_t));
@@ -330,53 +315,48 @@ static void tiled_then_walked(struct attention_job *j, int64_t rows) {
         else
             for (int64_t n = a; n < b; n++) walk[walked++] = (int32_t)n;
     }
-    for (int64_t i = 0; j->window <= 0 && i < walked; i++) {
-        const int32_t *t = j->tables + (int64_t)j->row_table[walk[i]] * stride;
-        keyed[i] = (uint64_t)(uint32_t)t[0] << 32 | (uint32_t)walk[i];
-    }
-    if (j->window <= 0) qsort(keyed, (size_t)walked, sizeof(uint64_t), by_first_block);
-    for (int64_t a = 0, b; j->window <= 0 && a < walked; a = b) {
-        for (b = a + 1; b < walked && keyed[b] >> 32 == keyed[a] >> 32;) b++;
-        if (b - a < 2) continue;
-        /* The leading blocks all of them share, each before its row's own last block. */
-        const int32_t *t0 = j->tables + (int64_t)j->row_table[(int32_t)keyed[a]] * stride;
-        int64_t m = INT64_MAX;
-        for (int64_t i = a; i < b; i++) {
-            const int32_t n = (int32_t)keyed[i], *t = j->tables + (int64_t)j->row_table[n] * stride;
-            const int64_t own = (j->row_len[n] - 1) / bs;
-            int64_t k = 0;
-            while (k < own && k < m && t[k] == t0[k]) k++;
-            m = k;
+    /* With a sliding window no two rows attend to the same keys: nothing is shared. */
+    if (j->window <= 0) {
+        for (int64_t i = 0; i < walked; i++) {
+            const int32_t *t = j->tables + (int64_t)j->row_table[walk[i]] * stride;
+            keyed[i] = (uint64_t)(uint32_t)t[0] << 32 | (uint32_t)walk[i];
         }
-        if (m * bs < ZS_SHARED_MIN_KEYS) continue;
-        int32_t *group = grouped + in_groups;
-        for (int64_t i = a; i < b; i++) {
-            group[i - a] = (int32_t)keyed[i];
-            shared[(int32_t)keyed[i]] = (int32_t)(m * bs);
+        qsort(keyed, (size_t)walked, sizeof(uint64_t), by_first_block);
+        for (int64_t a = 0, b; a < walked; a = b) {
+            for (b = a + 1; b < walked && keyed[b] >> 32 == keyed[a] >> 32;) b++;
+            if (b - a < 2) continue;
+            /* The leading blocks all of them share, each before its row's own last block. */
+            const int32_t *t0 = j->tables + (int64_t)j->row_table[(int32_t)keyed[a]] * stride;
+            int64_t m = INT64_MAX;
+            for (int64_t i = a; i < b; i++) {
+                const int32_t n = (int32_t)keyed[i], *t = j->tables + (int64_t)j->row_table[n] * stride;
+                const int64_t own = (j->row_len[n] - 1) / bs;
+                int64_t k = 0;
+                while (k < own && k < m && t[k] == t0[k]) k++;
+                m = k;
+            }
+            if (m * bs < ZS_SHARED_MIN_KEYS) continue;
+            int32_t *group = grouped + in_groups;
+            for (int64_t i = a; i < b; i++) {
+                group[i - a] = (int32_t)keyed[i];
+                shared[(int32_t)keyed[i]] = (int32_t)(m * bs);
+            }
+            it = add_items(it, group, b - a, hkv, j->row_table[group[0]], m * bs);
+            in_groups += b - a;
         }
-        it = add_items(it, group, b - a, hkv, j->row_table[group[0]], m * bs);
-        in_groups += b - a;
     }
-    float *partial = NULL;
-    if (in_groups && !(partial = malloc(sizeof(float) * (size_t)(rows * j->hq * (j->d + 2)))))
+    if (in_groups && !(j->partial = malloc(sizeof(float) * (size_t)(rows * j->hq * (j->d + 2)))))
         abort();
-    if (it > items)
-        zs_tiled_attention(j->q, j->q_stride, j->k_cache, j->v_cache, j->tables, stride,
-                           j->row_len, items, it - items, j->hq, hkv, j->d, bs, j->window,
-                           j->scale, j->softcap, j->out, j->out_stride, partial);
-    j->walk = walk;
     j->shared = in_groups ? shared : NULL;
-    j->partial = partial;
+    if (it > items) zs_tiled_attention(j, items, it - items);
+    j->walk = walk;
     if (walked) zs_parallel(walked * hkv, 4, 1, attention_items, j);
-    free(partial);
+    free(j->partial);
     free(items);
     free(keyed);
     free(shared);
     free(lists);
-    if (zs_amx_shape) { /* as zs_linear: the caller's tiles go back */
-        _tile_release();
-        zs_amx_shape = 0;
-    }
+    zs_amx_release(); /* as zs_linear: the caller's tiles go back */
 }
 #endif
 
@@ -387,10 +367,10 @@ void zs_paged_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache,
                         float scale, float softcap, bf16 *out, int64_t out_stride,
                         int64_t max_len) {
     /* Score rows padded to 16 floats (the vector width) per query head. */
-    struct attention_job j = {q, q_stride, k_cache, v_cache, tables, table_stride,
-                              row_table, row_len, hq, hkv, d, block_size, window,
-                              scale, softcap, out, out_stride, (max_len + 15) / 16 * 16,
-                              NULL, NULL, NULL};
+    struct zs_attention_job j = {q, q_stride, k_cache, v_cache, tables, table_stride,
+                                 row_table, row_len, hq, hkv, d, block_size, window,
+                                 scale, softcap, out, out_stride, (max_len + 15) / 16 * 16,
+                                 NULL, NULL, NULL};
 #if ZS_AMX
     /* Runs of rows of one sequence (prompt chunks) take the tiles, and so do the
      * prefixes that several walked rows share (cached prompts); the rest walk. */

@@ -1,15 +1,16 @@
 /*
- * Attention for runs of rows of one sequence (a prompt chunk), on AMX tiles: instead
+ * Attention on AMX tiles for rows that attend to the same keys: a run of rows of one
+ * sequence (a prompt chunk), or decode rows over the cached prefix they share. Instead
  * of each row walking its keys alone (paged_attention.c), 16 query heads of a few
  * rows at a time take the tile unit's 16 x 16 x 32 products against 16 keys, read
- * straight from the cache blocks. Per work item (up to TILE_ROWS rows of a run, one
- * KV head): the item's K/V are laid out once in the tiles' pair-interleaved form, then
+ * straight from the cache blocks. Per work item (up to ZS_TILE_ROWS rows, one KV
+ * head): the item's K/V are laid out once in the tiles' pair-interleaved form, then
  * for each 16-column query tile (its rows x the KV head's query heads) the scores
  * S = Q Kᵀ go to a scratch row per column, the softmax runs along those rows in fp32
  * (scaled, soft-capped, bottom-right causal and windowed as the row walk is), and
  * P V takes the tile unit again with P rounded to bf16, as torch's tiled attention
- * (SDPA) rounds it. Called by zs_paged_attention for runs of ZS_TILED_MIN_ROWS rows
- * or more; AMX builds only.
+ * (SDPA) rounds it; a shared prefix's item leaves its unnormalized sums for the row
+ * walk of each row's own keys to merge. Called by zs_paged_attention; AMX builds only.
  */
 #include "kernels.h"
 
@@ -17,39 +18,11 @@
 
 #define ZS_AMX_ATTENTION_SHAPE (1 << 20)
 
-struct tiled_job {
-    const bf16 *q;
-    int64_t q_stride;
-    const bf16 *k_cache, *v_cache;
-    const int32_t *tables;
-    int64_t table_stride;
-    const int32_t *row_len;
-    const struct zs_tile_item *items;
-    int64_t hq, hkv, d, bs, window;
-    float scale, softcap;
-    bf16 *out;
-    int64_t out_stride;
-    float *partial; /* shared items' sums: [row][query head][d + 2] */
-};
-
 /* Every tile 16 rows of 64 bytes: A (Q or P) in 0, B (Kᵀ or V pairs) in 1, the scores'
  * C in 2, P V's C in 4-7 (64 output dims a pass). */
 static void tiles_configure(void) {
-    if (zs_amx_shape == ZS_AMX_ATTENTION_SHAPE) return;
-    struct {
-        uint8_t palette, start;
-        uint8_t reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } __attribute__((packed)) cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-    zs_amx_shape = ZS_AMX_ATTENTION_SHAPE;
+    static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    zs_amx_load(ZS_AMX_ATTENTION_SHAPE, rows);
 }
 
 /* r[i] (16 dwords each) -> r[j] holds dword j of every r[i]. */
@@ -77,24 +50,21 @@ static inline void transpose16(__m512i r[16]) {
     }
 }
 
-static inline int64_t first_key(int64_t len, int64_t window) {
-    return (window > 0 && len > window) ? len - window : 0;
-}
-
 /* The keys [k0, len) row n attends to in this item: its own, or the shared prefix. */
-static inline void row_keys(const struct tiled_job *j, const struct zs_tile_item *it, int64_t n,
-                            int64_t *k0, int64_t *len) {
+static inline void row_keys(const struct zs_attention_job *j, const struct zs_tile_item *it,
+                            int64_t n, int64_t *k0, int64_t *len) {
     if (it->shared) {
         *k0 = 0, *len = it->shared;
     } else {
-        *len = j->row_len[n], *k0 = first_key(*len, j->window);
+        *len = j->row_len[n], *k0 = zs_first_key(*len, j->window);
     }
 }
 
 /* The cache row of key `pos` of KV head h. */
-static inline const bf16 *key_row(const struct tiled_job *j, const bf16 *cache,
+static inline const bf16 *key_row(const struct zs_attention_job *j, const bf16 *cache,
                                   const int32_t *table, int64_t pos, int64_t h) {
-    return cache + (((int64_t)table[pos / j->bs] * j->hkv + h) * j->bs + pos % j->bs) * j->d;
+    const int64_t bs = j->block_size;
+    return cache + (((int64_t)table[pos / bs] * j->hkv + h) * bs + pos % bs) * j->d;
 }
 
 /* P V for one query tile: dims [dim0, dim0 + 16 nt) over the 32-key groups [g0, g1). */
@@ -129,7 +99,7 @@ static inline void pv_pass(const bf16 *pb, int64_t pstride, const bf16 *vn, int6
     if (nt > 3) _tile_stored(7, o + c0 * 16 + 48, ob);
 }
 
-static void tiled_item(const struct tiled_job *j, const struct zs_tile_item *it) {
+static void tiled_item(const struct zs_attention_job *j, const struct zs_tile_item *it) {
     const int64_t count = it->count, h = it->h, d = j->d;
     const int64_t groups = j->hq / j->hkv, per_tile = 16 / groups, d32 = d / 32, d16 = d / 16;
     const int32_t *table = j->tables + it->table * j->table_stride;
@@ -290,9 +260,14 @@ static void tiled_item(const struct tiled_job *j, const struct zs_tile_item *it)
     }
 }
 
-static void tiled_items(const void *job, int64_t begin, int64_t end) {
-    const struct tiled_job *j = job;
-    for (int64_t i = begin; i < end; i++) tiled_item(j, j->items + i);
+struct tiled_job {
+    const struct zs_attention_job *job;
+    const struct zs_tile_item *items;
+};
+
+static void tiled_items(const void *ctx, int64_t begin, int64_t end) {
+    const struct tiled_job *t = ctx;
+    for (int64_t i = begin; i < end; i++) tiled_item(t->job, t->items + i);
 }
 
 int zs_tiled_attention_fits(int64_t hq, int64_t hkv, int64_t d, int64_t block_size) {
@@ -300,15 +275,10 @@ int zs_tiled_attention_fits(int64_t hq, int64_t hkv, int64_t d, int64_t block_si
            zs_amx_ready();
 }
 
-void zs_tiled_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache, const bf16 *v_cache,
-                        const int32_t *tables, int64_t table_stride, const int32_t *row_len,
-                        const struct zs_tile_item *items, int64_t num_items, int64_t hq,
-                        int64_t hkv, int64_t d, int64_t block_size, int64_t window, float scale,
-                        float softcap, bf16 *out, int64_t out_stride, float *partial) {
-    const struct tiled_job j = {q, q_stride, k_cache, v_cache, tables, table_stride, row_len,
-                                items, hq, hkv, d, block_size, window, scale, softcap, out,
-                                out_stride, partial};
-    zs_parallel(num_items, 1, 1, tiled_items, &j);
+void zs_tiled_attention(const struct zs_attention_job *job, const struct zs_tile_item *items,
+                        int64_t num_items) {
+    const struct tiled_job t = {job, items};
+    zs_parallel(num_items, 1, 1, tiled_items, &t);
 }
 
 #endif

@@ -301,6 +301,21 @@ def test_paged_attention_matches_an_fp32_reference(kernels, hq, hkv, d, window, 
     torch.testing.assert_close(out.float(), want, atol=4e-3, rtol=8e-3)
 
 
+def _tiles_and_walks(args, hq, hkv, d, bs):
+    """The kernels' attention of `args` with the AMX tiles, then on the row walks alone,
+    and the fp32 reference; skips where there are no tiles for this shape."""
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.tiled_attention(hq, hkv, d, bs):
+        pytest.skip("the tiled attention needs the AVX-512 build on an AMX CPU")
+    tiled = kernels.paged_attention(*args)
+    kernels.enable_tiled_attention(False)
+    try:
+        walked = kernels.paged_attention(*args)
+    finally:
+        kernels.enable_tiled_attention(True)
+    return tiled, walked, _reference_attention(*args[:-1])
+
+
 @pytest.mark.parametrize(
     "hq,hkv,d,window,softcap",
     [
@@ -317,9 +332,6 @@ def test_prompt_chunks_on_the_amx_tiles_match_an_fp32_reference(hq, hkv, d, wind
     # tiles), a 5-row chunk (below TILED_MIN_ROWS: row walks), a 9-row fresh prompt.
     # The tiles round the probabilities to bf16 (as SDPA does), so they sit a little
     # further from the fp32 reference than the walks; both paths must meet it.
-    kernels = cpu_kernels.load()
-    if kernels is None or not kernels.tiled_attention(hq, hkv, d, bs):
-        pytest.skip("the tiled attention needs the AVX-512 build on an AMX CPU")
     g = torch.Generator().manual_seed(hq * d + bs)
     blocks = 200 if bs == 16 else 100
     k_cache, v_cache = _cache(blocks, hkv, bs, d, g)
@@ -330,13 +342,7 @@ def test_prompt_chunks_on_the_amx_tiles_match_an_fp32_reference(hq, hkv, d, wind
     row_len = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(len(lens), 3 * hq * d, generator=g).to(BF16)[:, hq * d : 2 * hq * d]
     args = (q, k_cache, v_cache, tables, row_table, row_len, hq, d**-0.5, window, softcap, 500)
-    want = _reference_attention(*args[:-1])
-    tiled = kernels.paged_attention(*args)
-    kernels.enable_tiled_attention(False)
-    try:
-        walked = kernels.paged_attention(*args)
-    finally:
-        kernels.enable_tiled_attention(True)
+    tiled, walked, want = _tiles_and_walks(args, hq, hkv, d, bs)
     torch.testing.assert_close(tiled.float(), want, atol=4e-3, rtol=1e-2)
     torch.testing.assert_close(walked.float(), want, atol=4e-3, rtol=8e-3)
     chunk = slice(1, 71)
@@ -354,9 +360,6 @@ def test_decode_rows_sharing_a_cached_prefix_attend_to_it_on_the_tiles(hq, hkv, 
     # with the first three (under ZS_SHARED_MIN_KEYS: that whole group walks), and a 9-row
     # chunk rides along on the tiles. The shared groups' rows must meet the fp32
     # reference (their prefix on tiles, P in bf16, merged with their own keys' walk).
-    kernels = cpu_kernels.load()
-    if kernels is None or not kernels.tiled_attention(hq, hkv, d, bs):
-        pytest.skip("the tiled attention needs the AVX-512 build on an AMX CPU")
     g = torch.Generator().manual_seed(hq * d + bs)
     k_cache, v_cache = _cache(600, hkv, bs, d, g)
     perm = torch.randperm(599, generator=g).add(1).tolist()
@@ -372,13 +375,7 @@ def test_decode_rows_sharing_a_cached_prefix_attend_to_it_on_the_tiles(hq, hkv, 
     row_len = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(len(lens), 3 * hq * d, generator=g).to(BF16)[:, hq * d : 2 * hq * d]
     args = (q, k_cache, v_cache, tables, row_table, row_len, hq, d**-0.5, None, softcap, 300)
-    want = _reference_attention(*args[:-1])
-    tiled = kernels.paged_attention(*args)
-    kernels.enable_tiled_attention(False)
-    try:
-        walked = kernels.paged_attention(*args)
-    finally:
-        kernels.enable_tiled_attention(True)
+    tiled, walked, want = _tiles_and_walks(args, hq, hkv, d, bs)
     torch.testing.assert_close(tiled.float(), want, atol=4e-3, rtol=1e-2)
     differ = [n for n in range(len(lens)) if not torch.equal(tiled[n], walked[n])]
     assert differ == [1, 2, 4, 5, 7, 8, *range(10, 19)], differ

@@ -132,52 +132,48 @@ def test_long_chunks_take_the_tiled_attention_as_exactly_as_the_row_walks(
     assert mean(tiled.gaps) <= 1.2 * mean(walks.gaps), (mean(tiled.gaps), mean(walks.gaps))
 
 
-def test_chunks_on_the_kernels_own_tiles_drift_no_more_than_the_row_walks(small_model, monkeypatch):
-    # The AMX build's tiled attention (csrc/tiled_attention.c) takes every run of 8 or
-    # more rows of one sequence, and needs head_dim a multiple of 32: the benchmark
-    # model's 64 (the tiny ones have 16). Fresh and continued chunks of up to 160 rows
-    # beside decodes, each step against transformers' bf16 forward; then the same with
-    # every row on the row walks (no tiles, no SDPA).
+def _tiles_then_walks(model_dir, monkeypatch, **run) -> tuple[_Both, _Both]:
+    """The benchmark model against transformers with the kernels' AMX tiles, then with
+    every row on the row walks (no tiles, no SDPA); the tiles must drift no more than
+    the walks. Skips where there are no tiles (they need head_dim a multiple of 32: the
+    benchmark model's 64; the tiny models have 16)."""
     kernels = load_kernels()
     if kernels is None or not kernels.tiled_attention(8, 2, 64, 16):
         pytest.skip("the kernels' tiled attention needs the AVX-512 build on AMX")
-    prompts = make_prompts((300, 200, 5, 170, 33), seed=3)
-    run = dict(prompts=prompts, budget=256, chunk=160, device="cpu")
-    tiled = _compare(small_model, "bfloat16", **run)
+    tiled = _compare(model_dir, "bfloat16", device="cpu", **run)
     monkeypatch.setattr(native_llama, "DENSE_MIN_ROWS", 1 << 30)
     kernels.enable_tiled_attention(False)
     try:
-        walks = _compare(small_model, "bfloat16", **run)
+        walks = _compare(model_dir, "bfloat16", device="cpu", **run)
     finally:
         kernels.enable_tiled_attention(True)
-    assert tiled.tiled_chunks >= 4 and walks.tiled_chunks == 0
     mean = statistics.fmean
     assert max(tiled.gaps) <= BF16_ATOL, max(tiled.gaps)
     assert mean(tiled.gaps) <= 1.2 * mean(walks.gaps), (mean(tiled.gaps), mean(walks.gaps))
+    return tiled, walks
+
+
+def test_chunks_on_the_kernels_own_tiles_drift_no_more_than_the_row_walks(small_model, monkeypatch):
+    # The AMX build's tiled attention (csrc/tiled_attention.c) takes every run of 8 or
+    # more rows of one sequence: fresh and continued chunks of up to 160 rows beside
+    # decodes, each step against transformers' bf16 forward.
+    prompts = make_prompts((300, 200, 5, 170, 33), seed=3)
+    tiled, walks = _tiles_then_walks(
+        small_model, monkeypatch, prompts=prompts, budget=256, chunk=160
+    )
+    assert tiled.tiled_chunks >= 4 and walks.tiled_chunks == 0
 
 
 def test_decode_rows_of_a_cached_prefix_on_the_tiles_drift_no_more_than_the_row_walks(
-    small_model,
+    small_model, monkeypatch
 ):
     # Five prompts behind one 200-token prefix (the prefix cache shares its blocks), 24
     # tokens each: their decode rows attend to the shared blocks together on the tiles
     # (csrc/paged_attention.c: tiled_then_walked), then walk their own keys.
-    kernels = load_kernels()
-    if kernels is None or not kernels.tiled_attention(8, 2, 64, 16):
-        pytest.skip("the kernels' tiled attention needs the AVX-512 build on AMX")
     prefix = make_prompts((200,), seed=5)[0]
     prompts = [prefix + tail for tail in make_prompts((3, 9, 17, 30, 41), seed=6)]
-    run = dict(prompts=prompts, budget=512, chunk=512, device="cpu")
-    tiled = _compare(small_model, "bfloat16", **run)
-    kernels.enable_tiled_attention(False)
-    try:
-        walks = _compare(small_model, "bfloat16", **run)
-    finally:
-        kernels.enable_tiled_attention(True)
+    tiled, _ = _tiles_then_walks(small_model, monkeypatch, prompts=prompts, budget=512, chunk=512)
     assert tiled.shared_steps >= 10
-    mean = statistics.fmean
-    assert max(tiled.gaps) <= BF16_ATOL, max(tiled.gaps)
-    assert mean(tiled.gaps) <= 1.2 * mean(walks.gaps), (mean(tiled.gaps), mean(walks.gaps))
 
 
 def _first_step_logits(model_dir, cpu_kernels: str) -> dict[str, torch.Tensor]:
