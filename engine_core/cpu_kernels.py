@@ -110,8 +110,9 @@ class CpuKernels:
     def tiled_attention(
         self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
     ) -> bool:
-        """Whether paged_attention takes AMX tiles for runs of rows of one sequence (prompt
-        chunks) of this shape; then no chunk needs SDPA (csrc/tiled_attention.c)."""
+        """Whether paged_attention takes tiles (AMX's, or AVX512-BF16 dot products in
+        their layout) for runs of rows of one sequence (prompt chunks) of this shape;
+        then no chunk needs SDPA (csrc/tiled_attention.c)."""
         return bool(self._tiled_ready(num_heads, num_kv_heads, head_dim, block_size))
 
     def enable_tiled_attention(self, on: bool) -> bool:
@@ -209,7 +210,7 @@ class CpuKernels:
         (int32 [S, width]; row_table and row_len int32 [N]; max_len >= every row_len).
         `out`, if given, takes the result (rows may be strided). Where tiled_attention()
         holds, each run of TILED_MIN_ROWS or more rows of one table (a prompt chunk)
-        takes the AMX tiles, its probabilities rounded to bf16 as SDPA rounds them."""
+        takes the tiles, its probabilities rounded to bf16 as SDPA rounds them."""
         rows = q.shape[0]
         _, num_kv_heads, block_size, head_dim = k_cache.shape
         if out is None:

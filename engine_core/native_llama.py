@@ -43,7 +43,7 @@ from engine_core.native_lora import LoraRows, NativeLora, native_targets
 
 logger = logging.getLogger(__name__)
 
-# Without the kernels' tiled attention (AMX builds), a prefill chunk of at least this many
+# Without the kernels' tiled attention (AVX-512 builds), a prefill chunk of at least this many
 # rows, attending to at least this many (row, key) pairs, takes SDPA's instead of the
 # row walks: from there on it is faster (BENCHMARKS.md §2, "Figures behind the code").
 DENSE_MIN_ROWS = 16

@@ -116,7 +116,7 @@ struct zs_attention_job {
     const int32_t *shared; /* per row: keys already attended to on tiles, or NULL */
     float *partial;        /* the tiles' sums for those: [row][query head][d + 2] */
 };
-#if ZS_AMX
+#if ZS_AVX512
 /* Runs of at least this many rows of one sequence take the tiled attention. */
 #define ZS_TILED_MIN_ROWS 8
 /* Decode rows sharing at least this many cached keys (a prefix) take them on tiles. */
@@ -133,6 +133,8 @@ struct zs_tile_item {
 ZS_INTERNAL int zs_tiled_attention_fits(int64_t hq, int64_t hkv, int64_t d, int64_t block_size);
 ZS_INTERNAL void zs_tiled_attention(const struct zs_attention_job *job,
                                     const struct zs_tile_item *items, int64_t num_items);
+#endif
+#if ZS_AMX
 /* Whether this process may use the tile registers (asked of Linux once). */
 ZS_INTERNAL int zs_amx_ready(void);
 /* The tile shape this thread has loaded (0: none): each user loads its own when it

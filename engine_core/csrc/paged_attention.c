@@ -275,7 +275,7 @@ static void attention_items(const void *job, int64_t begin, int64_t end) {
     }
 }
 
-#if ZS_AMX
+#if ZS_AVX512
 static int by_first_block(const void *a, const void *b) {
     const uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
     return x < y ? -1 : x > y;
@@ -293,7 +293,7 @@ static struct zs_tile_item *add_items(struct zs_tile_item *it, const int32_t *ro
     return it;
 }
 
-/* zs_paged_attention on an AMX CPU: runs of ZS_TILED_MIN_ROWS or more rows of one table
+/* zs_paged_attention on an AVX-512 CPU: runs of ZS_TILED_MIN_ROWS or more rows of one table
  * (prompt chunks) on tiles; of the other rows, those whose tables start with the same
  * blocks (a cached prefix: the prefix cache shares a block only by its content) attend
  * to those blocks together on tiles, as many rows a tile as its 16 columns hold, then
@@ -356,7 +356,9 @@ static void tiled_then_walked(struct zs_attention_job *j, int64_t rows) {
     free(keyed);
     free(shared);
     free(lists);
+#if ZS_AMX
     zs_amx_release(); /* as zs_linear: the caller's tiles go back */
+#endif
 }
 #endif
 
@@ -371,7 +373,7 @@ void zs_paged_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache,
                                  row_table, row_len, hq, hkv, d, block_size, window,
                                  scale, softcap, out, out_stride, (max_len + 15) / 16 * 16,
                                  NULL, NULL, NULL};
-#if ZS_AMX
+#if ZS_AVX512
     /* Runs of rows of one sequence (prompt chunks) take the tiles, and so do the
      * prefixes that several walked rows share (cached prompts); the rest walk. */
     if (rows > 1 && zs_tiled_attention_ready(hq, hkv, d, block_size)) {
@@ -394,7 +396,7 @@ int zs_tiled_attention_enable(int on) {
 
 /* Whether zs_paged_attention takes the tiles for prompt chunks of this shape. */
 int zs_tiled_attention_ready(int64_t hq, int64_t hkv, int64_t d, int64_t block_size) {
-#if ZS_AMX
+#if ZS_AVX512
     return tiled_enabled && zs_tiled_attention_fits(hq, hkv, d, block_size);
 #else
     (void)hq, (void)hkv, (void)d, (void)block_size;

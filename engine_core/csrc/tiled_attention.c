@@ -10,12 +10,18 @@
  * (scaled, soft-capped, bottom-right causal and windowed as the row walk is), and
  * P V takes the tile unit again with P rounded to bf16, as torch's tiled attention
  * (SDPA) rounds it; a shared prefix's item leaves its unnormalized sums for the row
- * walk of each row's own keys to merge. Called by zs_paged_attention; AMX builds only.
+ * walk of each row's own keys to merge. Called by zs_paged_attention; AVX-512 builds.
+ *
+ * Without AMX (or where Linux refuses the tiles) the same layouts feed AVX512-BF16 dot
+ * products instead: each 16 x 16 x 32 tile product is 16 pair broadcasts of each of the
+ * 16 query columns against one 64-byte row of the B layout, the products a tile would
+ * sum, in another order.
  */
 #include "kernels.h"
 
-#if ZS_AMX
+#if ZS_AVX512
 
+#if ZS_AMX
 #define ZS_AMX_ATTENTION_SHAPE (1 << 20)
 
 /* Every tile 16 rows of 64 bytes: A (Q or P) in 0, B (Kᵀ or V pairs) in 1, the scores'
@@ -24,6 +30,7 @@ static void tiles_configure(void) {
     static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
     zs_amx_load(ZS_AMX_ATTENTION_SHAPE, rows);
 }
+#endif
 
 /* r[i] (16 dwords each) -> r[j] holds dword j of every r[i]. */
 static inline void transpose16(__m512i r[16]) {
@@ -67,6 +74,7 @@ static inline const bf16 *key_row(const struct zs_attention_job *j, const bf16 *
     return cache + (((int64_t)table[pos / bs] * j->hkv + h) * bs + pos % bs) * j->d;
 }
 
+#if ZS_AMX
 /* P V for one query tile: dims [dim0, dim0 + 16 nt) over the 32-key groups [g0, g1). */
 static inline void pv_pass(const bf16 *pb, int64_t pstride, const bf16 *vn, int64_t d16,
                            int64_t g0, int64_t g1, int64_t c0, int nt, float *o, int64_t d) {
@@ -97,6 +105,38 @@ static inline void pv_pass(const bf16 *pb, int64_t pstride, const bf16 *vn, int6
     if (nt > 1) _tile_stored(5, o + c0 * 16 + 16, ob);
     if (nt > 2) _tile_stored(6, o + c0 * 16 + 32, ob);
     if (nt > 3) _tile_stored(7, o + c0 * 16 + 48, ob);
+}
+#endif
+
+/* The tile multiply on vectors: acc[c] (16 fp32 columns) += the 16 pairs of a's row c
+ * against the 16 rows of b (each 16 columns x 2). */
+static inline __attribute__((always_inline)) void dp_rows(__m512 acc[16], const bf16 *a,
+                                                          int64_t astride, const bf16 *b) {
+    for (int p = 0; p < 16; p++) {
+        const __m512bh bp = (__m512bh)_mm512_loadu_si512(b + p * 32);
+        for (int c = 0; c < 16; c++) {
+            int32_t pair;
+            memcpy(&pair, a + c * astride + 2 * p, sizeof(pair));
+            acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_set1_epi32(pair), bp);
+        }
+    }
+}
+
+/* S = Q Kᵀ of one query tile against 16 keys (their Kᵀ pairs at kt), on vectors. */
+static void scores_vec(const bf16 *aq, int64_t d, const bf16 *kt, float *s, int64_t ss) {
+    __m512 acc[16];
+    for (int c = 0; c < 16; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d / 32; c++) dp_rows(acc, aq + c * 32, d, kt + c * 16 * 32);
+    for (int c = 0; c < 16; c++) _mm512_storeu_ps(s + c * ss, acc[c]);
+}
+
+/* P V of one query tile for dims [16 t, 16 t + 16) over the 32-key groups [g0, g1). */
+static void pv_vec(const bf16 *pb, int64_t pstride, const bf16 *vn, int64_t d16, int64_t g0,
+                   int64_t g1, int64_t t, float *o, int64_t d) {
+    __m512 acc[16];
+    for (int c = 0; c < 16; c++) acc[c] = _mm512_setzero_ps();
+    for (int64_t g = g0; g < g1; g++) dp_rows(acc, pb + g * 32, pstride, vn + (g * d16 + t) * 16 * 32);
+    for (int c = 0; c < 16; c++) _mm512_storeu_ps(o + c * d + t * 16, acc[c]);
 }
 
 static void tiled_item(const struct zs_attention_job *j, const struct zs_tile_item *it) {
@@ -163,7 +203,12 @@ static void tiled_item(const struct zs_attention_job *j, const struct zs_tile_it
             _mm512_storeu_si512(dst + (2 * c + 1) * 16 * 32, _mm512_permutex2var_epi16(a, hi_idx, b));
         }
     }
-    tiles_configure();
+#if ZS_AMX
+    const int amx = zs_amx_ready();
+    if (amx) tiles_configure();
+#else
+    const int amx = 0;
+#endif
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t r0 = 0; r0 < count; r0 += per_tile) {
         const int64_t rows = count - r0 < per_tile ? count - r0 : per_tile, cols = rows * groups;
@@ -182,6 +227,11 @@ static void tiled_item(const struct zs_attention_job *j, const struct zs_tile_it
         }
         const int64_t i0 = (lo - kb) / 16, i1 = (hi - kb + 15) / 16;
         for (int64_t i = i0; i < i1; i++) {
+            if (!amx) {
+                scores_vec(aq, d, kt + i * d32 * 16 * 32, s + i * 16, nk32);
+                continue;
+            }
+#if ZS_AMX
             _tile_zero(2);
             for (int64_t c = 0; c < d32; c++) {
                 _tile_loadd(0, aq + c * 32, d * (int64_t)sizeof(bf16));
@@ -189,6 +239,7 @@ static void tiled_item(const struct zs_attention_job *j, const struct zs_tile_it
                 _tile_dpbf16ps(2, 0, 1);
             }
             _tile_stored(2, s + i * 16, nk32 * (int64_t)sizeof(float));
+#endif
         }
         /* Softmax along each column's scores; P as bf16 over whole 32-key groups. */
         const int64_t g0 = i0 / 2, g1 = (i1 + 1) / 2;
@@ -240,7 +291,13 @@ static void tiled_item(const struct zs_attention_job *j, const struct zs_tile_it
         }
         for (int64_t c0 = 0; c0 < d16; c0 += 4) {
             const int nt = d16 - c0 < 4 ? (int)(d16 - c0) : 4;
-            pv_pass(pb, nk32, vn, d16, g0, g1, c0, nt, o, d);
+#if ZS_AMX
+            if (amx) {
+                pv_pass(pb, nk32, vn, d16, g0, g1, c0, nt, o, d);
+                continue;
+            }
+#endif
+            for (int t = 0; t < nt; t++) pv_vec(pb, nk32, vn, d16, g0, g1, c0 + t, o, d);
         }
         for (int64_t c = 0; c < cols; c++) {
             const int64_t n = it->rows[r0 + c / groups], head = h * groups + c % groups;
@@ -271,8 +328,7 @@ static void tiled_items(const void *ctx, int64_t begin, int64_t end) {
 }
 
 int zs_tiled_attention_fits(int64_t hq, int64_t hkv, int64_t d, int64_t block_size) {
-    return d % 32 == 0 && d <= ZS_MAX_HEAD_DIM && block_size % 16 == 0 && hq / hkv <= 16 &&
-           zs_amx_ready();
+    return d % 32 == 0 && d <= ZS_MAX_HEAD_DIM && block_size % 16 == 0 && hq / hkv <= 16;
 }
 
 void zs_tiled_attention(const struct zs_attention_job *job, const struct zs_tile_item *items,

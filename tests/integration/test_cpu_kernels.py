@@ -275,7 +275,7 @@ def _reference_attention(
         (4, 4, 16, None, None),  # no GQA
         (12, 2, 48, 5, None),  # a head_dim that is no multiple of 32, a sliding window
         (16, 1, 128, None, 30.0),  # soft-capped scores
-        (8, 2, 64, 21, None),  # a window on the AMX tiles' shapes
+        (8, 2, 64, 21, None),  # a window on the tiles' shapes
         (14, 2, 128, None, None),  # 7 query heads per KV head
     ],
 )
@@ -302,11 +302,11 @@ def test_paged_attention_matches_an_fp32_reference(kernels, hq, hkv, d, window, 
 
 
 def _tiles_and_walks(args, hq, hkv, d, bs):
-    """The kernels' attention of `args` with the AMX tiles, then on the row walks alone,
+    """The kernels' attention of `args` with the tiles, then on the row walks alone,
     and the fp32 reference; skips where there are no tiles for this shape."""
     kernels = cpu_kernels.load()
     if kernels is None or not kernels.tiled_attention(hq, hkv, d, bs):
-        pytest.skip("the tiled attention needs the AVX-512 build on an AMX CPU")
+        pytest.skip("the tiled attention needs the AVX-512 build")
     tiled = kernels.paged_attention(*args)
     kernels.enable_tiled_attention(False)
     try:
@@ -327,7 +327,7 @@ def _tiles_and_walks(args, hq, hkv, d, bs):
     ],
 )
 @pytest.mark.parametrize("bs", [16, 32])
-def test_prompt_chunks_on_the_amx_tiles_match_an_fp32_reference(hq, hkv, d, window, softcap, bs):
+def test_prompt_chunks_on_the_tiles_match_an_fp32_reference(hq, hkv, d, window, softcap, bs):
     # Rows: a decode, a 70-row chunk after 300 cached positions (two work items of the
     # tiles), a 5-row chunk (below TILED_MIN_ROWS: row walks), a 9-row fresh prompt.
     # The tiles round the probabilities to bf16 (as SDPA does), so they sit a little

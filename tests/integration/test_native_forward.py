@@ -56,7 +56,7 @@ class _Both:
         return got
 
     def _chunks_on_tiles(self, plan) -> int:
-        """The step's chunks that the kernels' own tiles take (AMX builds)."""
+        """The step's chunks that the kernels' own tiles take (AVX-512 builds)."""
         native = self.native
         shape = (native.num_heads, native.num_kv_heads, native.head_dim, 16)
         if not native.kernels.tiled_attention(*shape):
@@ -133,13 +133,13 @@ def test_long_chunks_take_the_tiled_attention_as_exactly_as_the_row_walks(
 
 
 def _tiles_then_walks(model_dir, monkeypatch, **run) -> tuple[_Both, _Both]:
-    """The benchmark model against transformers with the kernels' AMX tiles, then with
+    """The benchmark model against transformers with the kernels' tiles, then with
     every row on the row walks (no tiles, no SDPA); the tiles must drift no more than
     the walks. Skips where there are no tiles (they need head_dim a multiple of 32: the
     benchmark model's 64; the tiny models have 16)."""
     kernels = load_kernels()
     if kernels is None or not kernels.tiled_attention(8, 2, 64, 16):
-        pytest.skip("the kernels' tiled attention needs the AVX-512 build on AMX")
+        pytest.skip("the kernels' tiled attention needs the AVX-512 build")
     tiled = _compare(model_dir, "bfloat16", device="cpu", **run)
     monkeypatch.setattr(native_llama, "DENSE_MIN_ROWS", 1 << 30)
     kernels.enable_tiled_attention(False)
@@ -154,7 +154,7 @@ def _tiles_then_walks(model_dir, monkeypatch, **run) -> tuple[_Both, _Both]:
 
 
 def test_chunks_on_the_kernels_own_tiles_drift_no_more_than_the_row_walks(small_model, monkeypatch):
-    # The AMX build's tiled attention (csrc/tiled_attention.c) takes every run of 8 or
+    # The AVX-512 build's tiled attention (csrc/tiled_attention.c) takes every run of 8 or
     # more rows of one sequence: fresh and continued chunks of up to 160 rows beside
     # decodes, each step against transformers' bf16 forward.
     prompts = make_prompts((300, 200, 5, 170, 33), seed=3)
