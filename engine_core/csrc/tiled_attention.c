@@ -206,8 +206,6 @@ static void tiled_item(const struct zs_attention_job *j, const struct zs_tile_it
 #if ZS_AMX
     const int amx = zs_amx_ready();
     if (amx) tiles_configure();
-#else
-    const int amx = 0;
 #endif
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t r0 = 0; r0 < count; r0 += per_tile) {
@@ -227,19 +225,19 @@ static void tiled_item(const struct zs_attention_job *j, const struct zs_tile_it
         }
         const int64_t i0 = (lo - kb) / 16, i1 = (hi - kb + 15) / 16;
         for (int64_t i = i0; i < i1; i++) {
-            if (!amx) {
-                scores_vec(aq, d, kt + i * d32 * 16 * 32, s + i * 16, nk32);
+#if ZS_AMX
+            if (amx) {
+                _tile_zero(2);
+                for (int64_t c = 0; c < d32; c++) {
+                    _tile_loadd(0, aq + c * 32, d * (int64_t)sizeof(bf16));
+                    _tile_loadd(1, kt + (i * d32 + c) * 16 * 32, 64);
+                    _tile_dpbf16ps(2, 0, 1);
+                }
+                _tile_stored(2, s + i * 16, nk32 * (int64_t)sizeof(float));
                 continue;
             }
-#if ZS_AMX
-            _tile_zero(2);
-            for (int64_t c = 0; c < d32; c++) {
-                _tile_loadd(0, aq + c * 32, d * (int64_t)sizeof(bf16));
-                _tile_loadd(1, kt + (i * d32 + c) * 16 * 32, 64);
-                _tile_dpbf16ps(2, 0, 1);
-            }
-            _tile_stored(2, s + i * 16, nk32 * (int64_t)sizeof(float));
 #endif
+            scores_vec(aq, d, kt + i * d32 * 16 * 32, s + i * 16, nk32);
         }
         /* Softmax along each column's scores; P as bf16 over whole 32-key groups. */
         const int64_t g0 = i0 / 2, g1 = (i1 + 1) / 2;
@@ -289,16 +287,13 @@ static void tiled_item(const struct zs_attention_job *j, const struct zs_tile_it
             if (2 * g0 < i0) memset(pc + 32 * g0, 0, 16 * sizeof(bf16));
             if (i1 < 2 * g1) memset(pc + 16 * i1, 0, 16 * sizeof(bf16));
         }
-        for (int64_t c0 = 0; c0 < d16; c0 += 4) {
-            const int nt = d16 - c0 < 4 ? (int)(d16 - c0) : 4;
 #if ZS_AMX
-            if (amx) {
-                pv_pass(pb, nk32, vn, d16, g0, g1, c0, nt, o, d);
-                continue;
-            }
+        if (amx)
+            for (int64_t c0 = 0; c0 < d16; c0 += 4)
+                pv_pass(pb, nk32, vn, d16, g0, g1, c0, d16 - c0 < 4 ? (int)(d16 - c0) : 4, o, d);
+        else
 #endif
-            for (int t = 0; t < nt; t++) pv_vec(pb, nk32, vn, d16, g0, g1, c0 + t, o, d);
-        }
+            for (int64_t t = 0; t < d16; t++) pv_vec(pb, nk32, vn, d16, g0, g1, t, o, d);
         for (int64_t c = 0; c < cols; c++) {
             const int64_t n = it->rows[r0 + c / groups], head = h * groups + c % groups;
             if (it->shared) { /* the sums, for the row walk to finish (paged_attention.c) */
