@@ -49,27 +49,6 @@ _REQUEST_TIME = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
 # fmt: on
 
 
-_pid = os.getpid()
-
-
-def _note_fork() -> None:
-    global _pid
-    _pid = os.getpid()
-
-
-def _cached_pid() -> int:
-    return _pid
-
-
-# In multiprocess mode every observe() asks prometheus_client's value class whether the
-# process forked since (to move to a file of its own); by default that is os.getpid(), a
-# system call, two per histogram observation: ~5 % of an API server's CPU on a streamed
-# token (py-spy, 32 streams). The same check against a pid refreshed after each fork.
-if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    os.register_at_fork(after_in_child=_note_fork)
-    values.ValueClass = values.MultiProcessValue(process_identifier=_cached_pid)
-
-
 def _token_buckets(max_model_len: int) -> list[float]:
     buckets, base = [], 1
     while True:
@@ -326,3 +305,24 @@ def _cumulative(bounds: tuple[int, ...], counts: list[int]) -> list[tuple[str, i
 
 def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+
+
+_pid = os.getpid()
+
+
+def _note_fork() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+def _cached_pid() -> int:
+    return _pid
+
+
+# In multiprocess mode every observe() asks prometheus_client's value class whether the
+# process forked since (to move to a file of its own); by default that is os.getpid(), a
+# system call, two per histogram observation: ~5 % of an API server's CPU on a streamed
+# token (py-spy, 32 streams). The same check against a pid refreshed after each fork.
+if multiprocess_dir() is not None:
+    os.register_at_fork(after_in_child=_note_fork)
+    values.ValueClass = values.MultiProcessValue(process_identifier=_cached_pid)

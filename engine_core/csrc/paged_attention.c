@@ -182,7 +182,7 @@ static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
                        const int32_t *table, int64_t start, int64_t len, int64_t h,
                        int64_t hkv, int64_t groups, int64_t d, int64_t bs, float scale,
                        float softcap, bf16 *out, float *s, int64_t s_stride, const float *part) {
-    (void)part; /* shared prefixes run on AMX tiles, which this build has not */
+    (void)part; /* shared prefixes run on the tiles (AVX-512 builds), which this build has not */
     const int64_t n = len - start;
     float qf[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM];
     for (int64_t g = 0; g < groups; g++)
