@@ -87,18 +87,20 @@ static inline __attribute__((always_inline)) void store_row(
  * that exist), or gated into 16: silu(gate) * up, each rounded where torch's bf16 ops
  * round. With yf (not gated) the rounded values go out widened to fp32 instead, as
  * .float() of the bf16 result would give them. An odd K's last pair takes x's last
- * element alone. */
+ * element alone. Meanwhile it fetches `next` (a tile) into L2: every pair of it, or
+ * with `spread` the pairs pf, pf + pf_step, pf + 2 pf_step, ... */
 static inline __attribute__((always_inline)) void linear_rows(
     const bf16 *x, int64_t xs, const bf16 *tile, int64_t k, const float *bias, bf16 *y,
     float *yf, int64_t ys, const int R, __mmask16 m0, __mmask16 m1, int gated, int64_t up,
-    const bf16 *next) {
+    const bf16 *next, const int spread, int64_t pf, int64_t pf_step) {
     __m512 acc[8][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const int64_t full = k / 2;
     for (int64_t p = 0; p < full; p++) {
-        if (next) {
+        if (next && (!spread || p == pf)) {
             _mm_prefetch((const char *)(next + p * 2 * ZS_TILE), _MM_HINT_T1);
             _mm_prefetch((const char *)(next + p * 2 * ZS_TILE + ZS_TILE), _MM_HINT_T1);
+            pf += pf_step;
         }
         const __m512bh b0 = (__m512bh)_mm512_loadu_si512(tile + p * 2 * ZS_TILE);
         const __m512bh b1 = (__m512bh)_mm512_loadu_si512(tile + p * 2 * ZS_TILE + ZS_TILE);
@@ -260,6 +262,26 @@ static void linear_tiles_amx(const struct linear_job *j, int64_t begin, int64_t 
 }
 #endif
 
+/* One pass of up to 8 rows (R fixed in each case, so each gets its own registers). */
+static inline __attribute__((always_inline)) void linear_pass(
+    const bf16 *x, int64_t xs, const bf16 *tile, int64_t k, const float *bias, bf16 *y,
+    float *yf, int64_t ys, int64_t rows, __mmask16 m0, __mmask16 m1, int gated, int64_t up,
+    const bf16 *next, const int spread, int64_t pf, int64_t pf_step) {
+#define ZS_ROWS(R) \
+    linear_rows(x, xs, tile, k, bias, y, yf, ys, R, m0, m1, gated, up, next, spread, pf, pf_step)
+    switch (rows < 8 ? rows : 8) {
+    case 8: ZS_ROWS(8); break;
+    case 7: ZS_ROWS(7); break;
+    case 6: ZS_ROWS(6); break;
+    case 5: ZS_ROWS(5); break;
+    case 4: ZS_ROWS(4); break;
+    case 3: ZS_ROWS(3); break;
+    case 2: ZS_ROWS(2); break;
+    default: ZS_ROWS(1); break;
+    }
+#undef ZS_ROWS
+}
+
 /* Items are tiles. */
 static void linear_tiles(const void *job, int64_t begin, int64_t end) {
     const struct linear_job *j = job;
@@ -276,7 +298,7 @@ static void linear_tiles(const void *job, int64_t begin, int64_t end) {
     bf16 *y = j->y;
     float *yf = j->yf;
     const int64_t pairs = (k + 1) / 2, width = tile_cols(gated);
-    const int64_t tiles = (n + width - 1) / width;
+    const int64_t tiles = (n + width - 1) / width, passes = (m + 7) / 8;
     /* Threads take tiles in turn, so a thread's next tile is usually `ahead` on. */
     const int64_t ahead = zs_active_threads();
     for (int64_t t = begin; t < end; t++) {
@@ -284,24 +306,21 @@ static void linear_tiles(const void *job, int64_t begin, int64_t end) {
         const int64_t left = n - t * width;
         const __mmask16 m0 = lanes16(left), m1 = gated || left <= 16 ? 0 : lanes16(left - 16);
         const float *b = bias ? bias + t * ZS_TILE : NULL;
+        /* The passes over a tile also fetch this thread's likely next one (into its own
+         * L2), so few tiles start cold from memory: with P passes, pass i the pairs i,
+         * i + P, i + 2P, ... The fetches spread over all of the tile's arithmetic
+         * instead of crowding its first pass (at 32 rows the decode's matmuls ran 9-14 %
+         * faster, BENCHMARKS.md §2). */
+        const bf16 *next = t + ahead < tiles ? tile + ahead * pairs * 2 * ZS_TILE : NULL;
         for (int64_t r0 = 0; r0 < m; r0 += 8) {
-            /* The first pass over a tile also fetches this thread's likely next one
-             * (into its own L2), so few tiles start cold from memory. */
-            const bf16 *next =
-                r0 == 0 && t + ahead < tiles ? tile + ahead * pairs * 2 * ZS_TILE : NULL;
             const bf16 *xr = x + r0 * xs;
             bf16 *yr = yf ? NULL : y + r0 * ys + t * width;
             float *yfr = yf ? yf + r0 * ys + t * width : NULL;
-            switch (m - r0 < 8 ? m - r0 : 8) {
-            case 8: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 8, m0, m1, gated, n, next); break;
-            case 7: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 7, m0, m1, gated, n, next); break;
-            case 6: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 6, m0, m1, gated, n, next); break;
-            case 5: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 5, m0, m1, gated, n, next); break;
-            case 4: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 4, m0, m1, gated, n, next); break;
-            case 3: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 3, m0, m1, gated, n, next); break;
-            case 2: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 2, m0, m1, gated, n, next); break;
-            default: linear_rows(xr, xs, tile, k, b, yr, yfr, ys, 1, m0, m1, gated, n, next); break;
-            }
+            if (passes == 1)
+                linear_pass(xr, xs, tile, k, b, yr, yfr, ys, m, m0, m1, gated, n, next, 0, 0, 1);
+            else
+                linear_pass(xr, xs, tile, k, b, yr, yfr, ys, m - r0, m0, m1, gated, n, next, 1,
+                            r0 / 8, passes);
         }
     }
 }
