@@ -309,8 +309,8 @@ static void linear_tiles(const void *job, int64_t begin, int64_t end) {
         /* The passes over a tile also fetch this thread's likely next one (into its own
          * L2), so few tiles start cold from memory: with P passes, pass i the pairs i,
          * i + P, i + 2P, ... The fetches spread over all of the tile's arithmetic
-         * instead of crowding its first pass (at 32 rows the decode's matmuls ran 9-14 %
-         * faster, BENCHMARKS.md §2). */
+         * instead of crowding its first pass (at 16-32 rows the model's matmuls ran
+         * 12-14 % faster, BENCHMARKS.md §2). */
         const bf16 *next = t + ahead < tiles ? tile + ahead * pairs * 2 * ZS_TILE : NULL;
         for (int64_t r0 = 0; r0 < m; r0 += 8) {
             const bf16 *xr = x + r0 * xs;
