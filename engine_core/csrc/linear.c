@@ -316,6 +316,8 @@ static void linear_tiles(const void *job, int64_t begin, int64_t end) {
             const bf16 *xr = x + r0 * xs;
             bf16 *yr = yf ? NULL : y + r0 * ys + t * width;
             float *yfr = yf ? yf + r0 * ys + t * width : NULL;
+            /* One pass (<= 8 rows: a few streams' decode) fetches every pair anyway:
+             * it keeps the loop as it was, with no test per pair. */
             if (passes == 1)
                 linear_pass(xr, xs, tile, k, b, yr, yfr, ys, m, m0, m1, gated, n, next, 0, 0, 1);
             else
