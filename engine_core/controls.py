@@ -1,11 +1,14 @@
 """The engine's side of the control routes: sleep and wake-up with their request
-modes, the prefix cache reset, the profiler, and the allow-listed collective RPCs.
+modes, pause and resume, the prefix cache reset, the profiler, and the allow-listed
+collective RPCs.
 
 Each control is a utility call (protocol/controls.py names them) that the busy loop
 hands here. Most answer at once; a sleep in mode `wait` answers once the engine's own
 requests have finished (`after_step`). While asleep, or draining towards sleep, the
 engine refuses new requests with an UNAVAILABLE output (a 503 at the API server), and
 the API servers hear of every change of state at once (`EngineCoreProc.push_state`).
+A paused engine takes new requests and holds them in its queue (`Scheduler.hold`); a
+pause in mode `wait` answers once its running requests have finished.
 """
 
 from __future__ import annotations
@@ -15,13 +18,18 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine_core.config import ProfilerConfig
+from engine_core.scheduler import HOLD_ALL, HOLD_NEW
 from engine_core.sleep_mode import SleepMode, memory_usage
 from protocol.controls import (
     COLLECTIVE_RPC,
     COLLECTIVE_RPC_METHODS,
     CONFLICT,
+    IS_PAUSED,
     IS_SLEEPING,
+    PAUSE,
+    PAUSE_MODES,
     RESET_PREFIX_CACHE,
+    RESUME,
     SLEEP,
     SLEEP_LEVELS,
     SLEEP_MODES,
@@ -55,6 +63,7 @@ class EngineControls:
 
             self.profiler = EngineProfiler(profiler, self.rank, engine.runner.device)
         self.pending_sleep: tuple[int, Reply] | None = None  # (level, reply) in mode wait
+        self.pending_pause: tuple[bool, Reply] | None = None  # (clear_cache, reply), wait
 
     # --- state ------------------------------------------------------------------------
 
@@ -101,6 +110,12 @@ class EngineControls:
             reply(self.profile(method == START_PROFILE))
         elif method == COLLECTIVE_RPC:
             reply(self.collective_rpc(*args))
+        elif method == PAUSE:
+            self.pause(*args, reply=reply)
+        elif method == RESUME:
+            reply(self.resume())
+        elif method == IS_PAUSED:
+            reply(self.engine.scheduler.hold is not None)
         else:
             raise ValueError(f"unknown control {method!r}")
 
@@ -131,7 +146,12 @@ class EngineControls:
         reply(self._sleep_now(level, mode, ended))
 
     def after_step(self) -> None:
-        """Busy loop, each turn: a sleep that waited goes ahead once the engine is idle."""
+        """Busy loop, each turn: a sleep that waited goes ahead once the engine is idle,
+        a pause that waited answers once nothing runs."""
+        if self.pending_pause is not None and not self.engine.scheduler.running:
+            clear_cache, reply = self.pending_pause
+            self.pending_pause = None
+            reply(self._paused("wait", 0, clear_cache))
         if self.pending_sleep is not None and not self.engine.has_unfinished_requests():
             level, reply = self.pending_sleep
             self.pending_sleep = None
@@ -177,6 +197,59 @@ class EngineControls:
                 after["rss_bytes"] / 2**20, "; still asleep" if self.asleep else "",
             )  # fmt: skip
         return result
+
+    # --- pause ---------------------------------------------------------------------------
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True, *, reply: Reply) -> None:
+        """Stop scheduling: new requests queue until a resume. `clear_cache`: forget the
+        cached prefix blocks once nothing runs (not in mode keep, which keeps them)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if self.pending_pause is not None:
+            reply({CONFLICT: "already pausing (mode=wait): its running requests are finishing"})
+            return
+        scheduler = self.engine.scheduler
+        scheduler.hold = HOLD_ALL if mode == "keep" else HOLD_NEW
+        self.proc.push_state()  # no API server takes the held requests for a hang
+        if mode == "keep":
+            reply(self._paused(mode, 0, False))
+            return
+        ended = 0
+        if mode == "abort":
+            ended = self.proc.end_all_requests(
+                f"engine {self.rank} was paused (POST /pause?mode=abort): retry once it has resumed"
+            )
+        elif scheduler.running:
+            self.pending_pause = (clear_cache, reply)
+            log.info("engine %d: pausing once its running requests have finished", self.rank)
+            return
+        reply(self._paused(mode, ended, clear_cache))
+
+    def _paused(self, mode: str, ended: int, clear_cache: bool) -> dict:
+        cleared = clear_cache and self.engine.reset_prefix_cache()
+        log.info(
+            "engine %d paused (mode %s): %d request(s) held, %d ended, prefix cache %s",
+            self.rank, mode, len(self.engine.requests), ended,
+            "cleared" if cleared else "kept",
+        )  # fmt: skip
+        return {"rank": self.rank, "mode": mode, "aborted": ended, "cache_cleared": cleared}
+
+    def resume(self) -> dict:
+        """Schedule again; a pause still waiting for its requests is cancelled (it
+        answers with the conflict)."""
+        scheduler = self.engine.scheduler
+        was_paused = scheduler.hold is not None
+        scheduler.hold = None
+        self.proc.push_state()
+        if self.pending_pause is not None:
+            _, reply = self.pending_pause
+            self.pending_pause = None
+            reply({CONFLICT: "cancelled by a resume before the running requests finished"})
+        if was_paused:
+            log.info(
+                "engine %d resumed: %d request(s) to run", self.rank, len(self.engine.requests)
+            )
+        return {"rank": self.rank, "resumed": was_paused}
 
     # --- the others ---------------------------------------------------------------------
 

@@ -247,6 +247,7 @@ class EngineCoreProc:
         stats.num_requests_by_client = self.client_load.by_client()
         stats.sleep_level = self.controls.sleep_mode.level
         stats.paused = self.controls.paused
+        stats.generation_hold = self.engine.scheduler.hold or ""
         return stats
 
     def push_state(self) -> None:

@@ -5,7 +5,9 @@ unfinished prefill a chunk), then waiting ones; prefill and decode share a step.
 Blocks are allocated for the scheduled chunk only; when they run out, the newest
 running request is preempted and recomputed later (usually from the prefix cache).
 A request whose LoRA adapter cannot run yet (lora_manager.py) waits, and the ones
-behind it go first.
+behind it go first. A paused scheduler (POST /pause, vLLM's pause states) admits no
+waiting request (`HOLD_NEW`) or schedules nothing at all (`HOLD_ALL`); requests still
+queue while it is paused.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ class SchedulerOutput:
 # loaded, or --max-loras others running): a bound on the work of a step that admits none.
 MAX_LORA_SKIPS = 64
 
+# What a paused scheduler holds back (`Scheduler.hold`; None when it is not paused).
+HOLD_NEW = "new"  # waiting requests: running ones go on (pause modes abort and wait)
+HOLD_ALL = "all"  # everything: running requests are frozen where they are (mode keep)
+
 
 class Scheduler:
     def __init__(
@@ -79,12 +85,17 @@ class Scheduler:
         self.running_per_group: Counter = Counter()  # running requests per Request.group_key
         self.num_preemptions = 0
         self.loras = loras
+        self.hold: str | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.add(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        """Whether a step would schedule anything (what a pause holds back does not
+        count: the busy loop idles then instead of spinning)."""
+        if self.hold is None:
+            return bool(self.running) or len(self.waiting) > 0
+        return self.hold == HOLD_NEW and bool(self.running)
 
     @property
     def num_running_seqs(self) -> int:
@@ -93,8 +104,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.hold == HOLD_ALL:
+            return out
         budget = self.max_num_batched_tokens
-        self._share_slots()
+        if self.hold is None:
+            self._share_slots()
         preempted = False
         i = 0
         blocks = self.blocks
@@ -129,6 +143,7 @@ class Scheduler:
         skipped: list[Request] = []  # waiting for their LoRA adapter, passed over
         while (
             not preempted
+            and self.hold is None
             and len(self.waiting) > 0
             and budget > 0
             and self.num_running_seqs < self.max_num_seqs

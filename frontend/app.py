@@ -188,6 +188,9 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/sleep", dev.sleep, ("POST",), when=dev.dev_routes_enabled),
     RouteSpec("/wake_up", dev.wake_up, ("POST",), when=dev.dev_routes_enabled),
     RouteSpec("/is_sleeping", dev.is_sleeping, when=dev.dev_routes_enabled),
+    RouteSpec("/pause", dev.pause, ("POST",), when=dev.dev_routes_enabled),
+    RouteSpec("/resume", dev.resume, ("POST",), when=dev.dev_routes_enabled),
+    RouteSpec("/is_paused", dev.is_paused, when=dev.dev_routes_enabled),
     RouteSpec(
         "/collective_rpc",
         dev.collective_rpc,

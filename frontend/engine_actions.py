@@ -21,8 +21,12 @@ from protocol.controls import (
     COLLECTIVE_RPC,
     COLLECTIVE_RPC_METHODS,
     CONFLICT,
+    IS_PAUSED,
     IS_SLEEPING,
+    PAUSE,
+    PAUSE_MODES,
     RESET_PREFIX_CACHE,
+    RESUME,
     SLEEP,
     SLEEP_LEVELS,
     SLEEP_MODES,
@@ -57,7 +61,7 @@ async def sleep(client: EngineClient, level: int = 1, mode: str = "abort") -> li
     if level not in SLEEP_LEVELS:
         raise APIError(f"level must be one of {list(SLEEP_LEVELS)}, got {level!r}", param="level")
     if mode not in SLEEP_MODES:
-        raise APIError(f"mode must be one of {list(SLEEP_MODES)}, got {mode!r}", param="mode")
+        raise APIError(f"mode must be one of {list(SLEEP_MODES)}, got {mode[:32]!r}", param="mode")
     log.info("putting every engine to sleep: level %d, mode %s", level, mode)
     return _unless_all_refused(client, await broadcast(client, SLEEP, level, mode))
 
@@ -78,6 +82,26 @@ async def wake_up(client: EngineClient, tags: list[str] | None = None) -> list[d
 async def is_sleeping(client: EngineClient) -> bool:
     """Whether any engine sleeps, as the engines themselves say."""
     return any(await broadcast(client, IS_SLEEPING))
+
+
+async def pause(client: EngineClient, mode: str = "abort", clear_cache: bool = True) -> list[dict]:
+    """Pause every engine (protocol/controls.py: PAUSE_MODES): new requests queue until
+    a resume. Mode wait answers once every engine's running requests have finished; 409
+    when every engine was already pausing that way."""
+    if mode not in PAUSE_MODES:
+        raise APIError(f"mode must be one of {list(PAUSE_MODES)}, got {mode[:32]!r}", param="mode")
+    log.info("pausing every engine: mode %s, clear_cache %s", mode, clear_cache)
+    return _unless_all_refused(client, await broadcast(client, PAUSE, mode, clear_cache))
+
+
+async def resume(client: EngineClient) -> list[dict]:
+    log.info("resuming every engine")
+    return _unless_all_refused(client, await broadcast(client, RESUME))
+
+
+async def is_paused(client: EngineClient) -> bool:
+    """Whether any engine is paused, as the engines themselves say."""
+    return any(await broadcast(client, IS_PAUSED))
 
 
 async def start_profile(client: EngineClient) -> list[dict]:

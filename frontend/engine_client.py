@@ -363,8 +363,14 @@ class EngineClient:
                 engine.steps_changed_at += lag
                 silent = now - engine.last_seen
                 s = engine.stats
-                # Asleep, an engine keeps its requests (mode keep) and does not step.
-                busy = (s.num_running or s.num_waiting or engine.in_flight) and not s.sleep_level
+                # Asleep, an engine keeps its requests (mode keep) and does not step;
+                # paused, it steps only its running requests, or none (mode keep).
+                if s.sleep_level or s.generation_hold == "all":
+                    busy = False
+                elif s.generation_hold:
+                    busy = s.num_running
+                else:
+                    busy = s.num_running or s.num_waiting or engine.in_flight
                 if not busy:
                     engine.steps_changed_at = now  # an idle engine is never stuck
                 if silent > timeout:

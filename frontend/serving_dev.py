@@ -43,8 +43,10 @@ class CollectiveRpcRequest(BaseModel):
         return value
 
 
-def _query_flag(request: Request, name: str) -> bool:
-    value = request.query_params.get(name, "false")
+def _query_flag(request: Request, name: str, default: bool = False) -> bool:
+    value = request.query_params.get(name)
+    if value is None:
+        return default
     if value.lower() in ("true", "1"):
         return True
     if value.lower() in ("false", "0"):
@@ -91,6 +93,31 @@ async def wake_up(ctx: ServingContext, request: Request) -> Response:
 
 async def is_sleeping(ctx: ServingContext, request: Request) -> Response:
     return json_response({"is_sleeping": await engine_actions.is_sleeping(ctx.client)})
+
+
+async def pause(ctx: ServingContext, request: Request) -> Response:
+    """vLLM's `?mode=abort|wait|keep` (default abort), `?clear_cache=` (default true),
+    and its older `?wait_for_inflight_requests=true` (mode wait)."""
+    mode = request.query_params.get("mode")
+    if _query_flag(request, "wait_for_inflight_requests"):
+        if mode not in (None, "wait"):
+            raise APIError(
+                f"wait_for_inflight_requests=true is mode=wait; got mode={mode[:32]!r}",
+                param="mode",
+            )
+        mode = "wait"
+    clear_cache = _query_flag(request, "clear_cache", default=True)
+    engines = await engine_actions.pause(ctx.client, mode or "abort", clear_cache)
+    return json_response({"status": "paused", "engines": engines})
+
+
+async def resume(ctx: ServingContext, request: Request) -> Response:
+    engines = await engine_actions.resume(ctx.client)
+    return json_response({"status": "resumed", "engines": engines})
+
+
+async def is_paused(ctx: ServingContext, request: Request) -> Response:
+    return json_response({"is_paused": await engine_actions.is_paused(ctx.client)})
 
 
 async def collective_rpc(ctx: ServingContext, request: Request) -> Response:

@@ -12,6 +12,10 @@ SLEEP_LEVELS = (1, 2)  # 1: the KV cache goes; 2: the weights too (reloaded from
 #   wait:  new ones are refused, the sleep happens once the engine's own have finished;
 #   keep:  they are frozen (their KV cache goes; recomputed after wake-up) and resume.
 SLEEP_MODES = ("abort", "wait", "keep")
+# POST /pause takes the same modes, but a paused engine takes new requests: they queue
+# until POST /resume. abort: in-flight requests end (a 503 error); wait: they finish
+# first, the pause answers then; keep: they are frozen where they are, KV cache kept.
+PAUSE_MODES = SLEEP_MODES
 WAKE_TAGS = ("weights", "kv_cache")  # what a wake-up may restore (all when none given)
 
 # Utility methods behind the dedicated routes.
@@ -22,8 +26,12 @@ RESET_PREFIX_CACHE = "reset_prefix_cache"
 START_PROFILE = "start_profile"
 STOP_PROFILE = "stop_profile"
 COLLECTIVE_RPC = "collective_rpc"  # args: [one of COLLECTIVE_RPC_METHODS]
+PAUSE = "pause"  # args: [mode, clear_cache]
+RESUME = "resume"
+IS_PAUSED = "is_paused"
 CONTROL_METHODS = frozenset(
-    (SLEEP, WAKE_UP, IS_SLEEPING, RESET_PREFIX_CACHE, START_PROFILE, STOP_PROFILE, COLLECTIVE_RPC)
+    (SLEEP, WAKE_UP, IS_SLEEPING, RESET_PREFIX_CACHE, START_PROFILE, STOP_PROFILE)
+    + (COLLECTIVE_RPC, PAUSE, RESUME, IS_PAUSED)
 )
 
 # What POST /collective_rpc may run on every engine: read-only or harmless methods that

@@ -276,6 +276,9 @@ class SchedulerStats(_Wire):
     # list), and the adapters loaded in memory now (a balancer may prefer them).
     lora_version: int = 0
     lora_loaded: list[str] = []
+    # Paused (POST /pause; requests still come in and queue): "" not paused, "new" no
+    # waiting request starts (running ones go on), "all" nothing steps.
+    generation_hold: str = ""
 
 
 def others_requests(by_client: list[int], client_index: int) -> int:

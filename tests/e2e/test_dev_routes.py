@@ -61,9 +61,11 @@ def deployment(tiny_model, tmp_path_factory):
 def http(deployment):
     with httpx.Client(base_url=deployment.base_url, headers=AUTH, timeout=60) as c:
         yield c
-        # Every test leaves the engines awake (a 409 here: they were).
+        # Every test leaves the engines awake (a 409 here: they were) and unpaused.
         assert c.post("/wake_up").status_code in (200, 409)
         assert c.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert c.post("/resume").status_code == 200
+        assert c.get("/is_paused").json() == {"is_paused": False}
 
 
 def fresh(http: httpx.Client, method: str, path: str, **kwargs) -> httpx.Response:
@@ -115,6 +117,9 @@ DEV_ROUTES = [
     ("POST", "/wake_up", None),
     ("GET", "/is_sleeping", None),
     ("POST", "/collective_rpc", {"method": "ping"}),
+    ("POST", "/pause?mode=keep", None),
+    ("POST", "/resume", None),
+    ("GET", "/is_paused", None),
 ]
 
 
@@ -124,6 +129,7 @@ def test_every_dev_route_needs_the_api_key(deployment, http, method, path, body)
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         assert_error(httpx.request(method, url, json=body, headers=headers, timeout=30), 401)
     assert http.get("/is_sleeping").json() == {"is_sleeping": False}  # nothing happened
+    assert http.get("/is_paused").json() == {"is_paused": False}
     r = httpx.request(method, url, json=body, headers=AUTH, timeout=60)
     assert r.status_code == (409 if path == "/wake_up" else 200), r.text
 
@@ -430,6 +436,185 @@ def test_a_sleep_that_aborts_ends_in_flight_requests_with_a_503_never_a_hang(dep
         assert plain.headers["retry-after"] == "5"
         ends.append("aborted" if "put to sleep" in error["message"] else "refused")
     assert 1 <= aborted == ends.count("aborted"), ends
+
+
+# --- pause and resume ---------------------------------------------------------------------
+
+
+def stats(http: httpx.Client) -> list[dict]:
+    return http.post("/collective_rpc", json={"method": "get_stats"}).json()["results"]
+
+
+async def _counted_stream(client, prompt: str, max_tokens: int, counts: dict) -> tuple[str, str]:
+    """_stream, counting chunks in `counts[prompt]` as they come."""
+    text, reason = "", None
+    stream = await client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True, temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    async for chunk in stream:
+        text += chunk.choices[0].text
+        reason = chunk.choices[0].finish_reason or reason
+        counts[prompt] = counts.get(prompt, 0) + 1
+    return text, reason
+
+
+def test_pause_keep_freezes_requests_in_flight_and_queues_new_ones_until_resume(deployment):
+    """mode=keep: the streams stop where they are (KV cache kept), a request sent while
+    paused is taken and waits (not a 503), and after /resume everything finishes exactly
+    as an undisturbed run of the same requests does (greedy)."""
+    prompts = [f"keep {i}" for i in range(4)]
+    results, late, undisturbed = asyncio.run(_pause_keep(deployment, prompts))
+    assert all(reason == "length" for _, reason in results) and late == "length"
+    assert [text for text, _ in results] == undisturbed
+
+
+async def _pause_keep(deployment: ZServe, prompts: list[str]) -> tuple[list, str, list]:
+    counts: dict[str, int] = {}
+    async with (
+        async_client(deployment, api_key=KEY) as client,
+        httpx.AsyncClient(base_url=deployment.base_url, headers=AUTH, timeout=60) as ahttp,
+    ):
+        tasks = [
+            asyncio.create_task(_counted_stream(client, p, UNDER_LOAD_TOKENS, counts))
+            for p in prompts
+        ]
+        while len(counts) < len(prompts):
+            await asyncio.sleep(0.02)
+        try:
+            r = await ahttp.post("/pause", params={"mode": "keep"})
+            assert r.status_code == 200, r.text
+            assert r.json()["status"] == "paused"
+            assert [e["mode"] for e in r.json()["engines"]] == ["keep", "keep"]
+            assert (await ahttp.get("/is_paused")).json() == {"is_paused": True}
+            late = asyncio.create_task(
+                client.completions.create(model=MODEL, prompt="late", max_tokens=4)
+            )
+            await asyncio.sleep(0.5)  # whatever was on its way has arrived
+            frozen, done = dict(counts), [t.done() for t in tasks]
+            await asyncio.sleep(0.5)
+            # Nothing was generated while paused (on a slow start, a stream may have
+            # finished before the pause came: not all of them).
+            assert counts == frozen and [t.done() for t in tasks] == done
+            assert not late.done() and not all(done)
+            r = await ahttp.post("/collective_rpc", json={"method": "get_stats"})
+            assert sum(s["num_running"] for s in r.json()["results"]) == done.count(False)
+            assert (await ahttp.get("/health")).status_code == 200
+        finally:  # the module's other tests share the engines
+            r = await ahttp.post("/resume")
+            assert r.status_code == 200 and r.json()["status"] == "resumed"
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        late_reason = (await asyncio.wait_for(late, 60)).choices[0].finish_reason
+        again = [
+            client.completions.create(
+                model=MODEL, prompt=p, max_tokens=UNDER_LOAD_TOKENS, temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )
+            for p in prompts
+        ]  # fmt: skip
+        undisturbed = [c.choices[0].text for c in await asyncio.gather(*again)]
+    return results, late_reason, undisturbed
+
+
+def test_pause_wait_answers_once_requests_in_flight_have_finished(deployment, http):
+    finished_first, late_reason, engines = asyncio.run(_pause_wait(deployment))
+    assert finished_first
+    assert late_reason == "length"
+    assert [(e["mode"], e["cache_cleared"]) for e in engines] == [("wait", False)] * 2
+
+
+async def _pause_wait(deployment: ZServe) -> tuple[bool, str, list]:
+    counts: dict[str, int] = {}
+    prompts = [f"wait for me {i}" for i in range(2)]
+    async with (
+        async_client(deployment, api_key=KEY) as client,
+        httpx.AsyncClient(base_url=deployment.base_url, headers=AUTH, timeout=120) as ahttp,
+    ):
+        tasks = [asyncio.create_task(_counted_stream(client, p, 300, counts)) for p in prompts]
+        while len(counts) < len(prompts):
+            await asyncio.sleep(0.02)
+        try:
+            pausing = asyncio.create_task(
+                ahttp.post("/pause", params={"mode": "wait", "clear_cache": "false"})
+            )
+            r = await asyncio.wait_for(pausing, 120)
+            assert r.status_code == 200, r.text
+            finished_first = all(t.done() for t in tasks)
+            late = asyncio.create_task(
+                client.completions.create(model=MODEL, prompt="late", max_tokens=4)
+            )
+            await asyncio.sleep(0.5)
+            assert not late.done()  # taken, and held until the resume
+        finally:
+            assert (await ahttp.post("/resume")).status_code == 200
+        late_reason = (await asyncio.wait_for(late, 60)).choices[0].finish_reason
+        await asyncio.gather(*tasks)
+    return finished_first, late_reason, r.json()["engines"]
+
+
+def test_pause_abort_ends_requests_in_flight_with_a_503_and_clears_the_cache(deployment, http):
+    ended: dict[str, httpx.Response] = {}
+    one = threading.Thread(target=lambda: ended.update(r=completion(http, "abort me", 1000)))
+    one.start()
+    wait_for(lambda: sum(s["num_running"] for s in stats(http)) == 1, what="a request to run")
+    try:
+        r = http.post("/pause")  # mode=abort: vLLM's default
+        assert r.status_code == 200, r.text
+        engines = r.json()["engines"]
+        assert [e["mode"] for e in engines] == ["abort", "abort"]
+        assert all(e["cache_cleared"] for e in engines)
+        one.join(60)
+        assert not one.is_alive()  # never a hang
+        if sum(e["aborted"] for e in engines):
+            error = assert_error(ended["r"], 503)
+            assert "was paused" in error["message"]
+        else:  # a busy machine finished it before the pause came
+            assert ended["r"].status_code == 200
+        # While paused, a request is taken and waits; /health answers.
+        late = threading.Thread(target=lambda: ended.update(late=completion(http, "later", 2)))
+        late.start()
+        wait_for(lambda: sum(s["num_waiting"] for s in stats(http)) == 1, what="a held request")
+        assert late.is_alive() and http.get("/health").status_code == 200
+    finally:
+        assert http.post("/resume").status_code == 200
+    late.join(60)
+    assert ended["late"].status_code == 200, ended["late"].text
+
+
+def test_a_resume_cancels_a_pause_still_waiting_and_bad_pause_parameters_are_400s(deployment, http):
+    body = {"model": MODEL, "prompt": "long", "max_tokens": UNDER_LOAD_TOKENS, **GREEDY}
+    answers: dict[str, httpx.Response] = {}
+    running = threading.Thread(target=lambda: answers.update(run=http.post(
+        "/v1/completions", json=body)))  # fmt: skip
+    running.start()
+    wait_for(lambda: sum(s["num_running"] for s in stats(http)) == 1, what="a request to run")
+    pausing = threading.Thread(target=lambda: answers.update(pause=http.post(
+        "/pause?wait_for_inflight_requests=true")))  # fmt: skip
+    pausing.start()
+    wait_for(lambda: http.get("/is_paused").json()["is_paused"], what="the pause")
+    # A second pause while the first waits: refused by the engine that is draining.
+    second = http.post("/pause?mode=keep")
+    assert second.status_code in (200, 409)
+    assert http.post("/resume").status_code == 200
+    pausing.join(60)
+    running.join(120)
+    assert answers["run"].status_code == 200
+    # The engine that ran the request says its pause was cancelled, unless a fast
+    # machine had finished the request first; the other engine had paused at once.
+    assert answers["pause"].status_code == 200
+    refusals = [e["conflict"] for e in answers["pause"].json()["engines"] if "conflict" in e]
+    assert refusals in ([], ["cancelled by a resume before the running requests finished"])
+    for query, param in (
+        ("mode=later", "mode"),
+        ("mode=" + "x" * 10_000, "mode"),
+        ("clear_cache=maybe", "clear_cache"),
+        ("wait_for_inflight_requests=2", "wait_for_inflight_requests"),
+        ("wait_for_inflight_requests=true&mode=keep", "mode"),
+    ):
+        error = assert_error(http.post(f"/pause?{query}"), 400, param=param)
+        assert len(error["message"]) < 200
+    assert http.get("/is_paused").json() == {"is_paused": False}
+    assert http.get("/health").status_code == 200
 
 
 # --- --wait-while-asleep ------------------------------------------------------------------

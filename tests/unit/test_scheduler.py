@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine_core.block_manager import BlockManager
 from engine_core.request import Request, RequestStatus
-from engine_core.scheduler import Scheduler, SchedulerOutput
+from engine_core.scheduler import HOLD_ALL, HOLD_NEW, Scheduler, SchedulerOutput
 from protocol.messages import EngineCoreRequest, FinishReason, SamplingParams
 
 EOS = 99
@@ -232,3 +232,27 @@ def test_requests_that_run_alone_are_never_preempted_to_share_slots():
     s.add(make_request("c", 4, max_tokens=50))
     assert set(plan(step(s))) == {"a", "b"}
     assert s.num_preemptions == 0
+
+
+def test_a_pause_holds_new_requests_back_and_keep_freezes_running_ones():
+    s = make_scheduler(budget=20)
+    s.add(make_request("a", 4, max_tokens=50))
+    assert plan(step(s)) == {"a": 4}
+    # HOLD_NEW (modes abort and wait): running requests go on, none is admitted.
+    s.hold = HOLD_NEW
+    s.add(make_request("b", 4))
+    assert plan(step(s)) == {"a": 1}
+    assert s.has_unfinished()
+    # HOLD_ALL (mode keep): nothing is scheduled, and the busy loop may idle.
+    s.hold = HOLD_ALL
+    assert plan(step(s)) == {} and not s.has_unfinished()
+    assert [r.request_id for r in s.running] == ["a"] and len(s.waiting) == 1
+    s.hold = None
+    assert plan(step(s)) == {"a": 1, "b": 4}
+
+
+def test_a_pause_that_holds_new_requests_has_nothing_to_do_once_they_alone_are_left():
+    s = make_scheduler()
+    s.hold = HOLD_NEW
+    s.add(make_request("a", 4))
+    assert not s.has_unfinished() and plan(step(s)) == {}
