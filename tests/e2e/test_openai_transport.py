@@ -119,9 +119,6 @@ def server(tiny_model, certificate, tmp_path_factory):
         "--kv-cache-memory-bytes", "512KiB",
         "--device", "cpu",
         "--max-num-seqs", "1",
-        # One engine thread: the Blocker's 900 tokens must outlast the tests' polling
-        # for a waiting request; with both cores the tiny model finished them first.
-        "--cpu-threads", "1",
         "--scheduling-policy", "priority",
         "--sse-keep-alive-interval", "0.2",
         "--max-num-queued-reqs", str(MAX_QUEUED_REQS),
@@ -132,7 +129,7 @@ def server(tiny_model, certificate, tmp_path_factory):
         *tls,
         "--disable-fastapi-docs",
         "--enable-log-requests",
-        "--enable-dev-routes",  # /server_info
+        "--enable-dev-routes",  # /server_info, /pause, /resume
         context=context,
         env={"ZSERVE_API_KEY": KEY, "PYTHONPATH": path},
     ) as s:  # fmt: skip
@@ -167,7 +164,9 @@ def stats(http: httpx.Client) -> dict:
 
 
 class Blocker:
-    """A long stream that holds the engine's only running slot until released."""
+    """A stream that holds the engine's only running slot until released: once it runs,
+    the engine is paused in mode keep (POST /pause), so it stays there, prefilled, and
+    every request after it waits, however fast the machine."""
 
     def __init__(self, http: httpx.Client, prompt: list[int] | None = None) -> None:
         body = {
@@ -177,13 +176,23 @@ class Blocker:
             "stream": True,
         }
         self.stack = ExitStack()
-        self.response = self.stack.enter_context(http.stream("POST", "/v1/completions", json=body))
-        self.lines = self.response.iter_lines()
-        line = next(self.lines)
-        while not line.startswith("data: "):
-            line = next(self.lines)
+        self.stack.callback(lambda: http.post("/resume").raise_for_status())
+        try:
+            # Both kept: a dropped line iterator would close the stream (an abort).
+            self.response = self.stack.enter_context(
+                http.stream("POST", "/v1/completions", json=body)
+            )
+            self.lines = self.response.iter_lines()
+            while not next(self.lines).startswith("data: "):
+                pass
+            http.post("/pause", params={"mode": "keep"}).raise_for_status()
+        except BaseException:
+            self.stack.close()
+            raise
 
     def release(self) -> None:
+        """The stream ends (an abort), then the engine resumes; a second call does
+        nothing."""
         self.stack.close()
 
 
