@@ -4,7 +4,9 @@
  * tables[row_table[n]] (bottom-right causal: the row's own position is
  * row_len[n] - 1), the last `window` of them when window > 0. The query heads of
  * one KV head (GQA) share every K/V row read. Scores are scaled, soft-capped when
- * softcap > 0, and soft-maxed in fp32.
+ * softcap > 0, and soft-maxed in fp32; the weights are rounded to bf16 for the sum of
+ * V rows (as the tiles and SDPA do), which then runs on bf16 dot products, two keys
+ * at a time: half the arithmetic of fp32 FMAs (BENCHMARKS.md §2).
  */
 #include "kernels.h"
 
@@ -91,9 +93,10 @@ static inline __attribute__((always_inline)) void attend_row_impl(
             }
         }
     }
-    /* Softmax numerators in place, a whole vector (16 / gp keys) at a time; the
-     * padding past the last key is -inf and contributes nothing. */
-    const int64_t flat = n * gp, padded = (flat + 15) / 16 * 16;
+    /* Softmax numerators in place, a whole vector (16 / gp keys) at a time, rounded to
+     * bf16 for the products with V below (their sums too, so the weights sum to one);
+     * the padding past the last key, to whole pairs of vectors, is -inf and gives 0. */
+    const int64_t flat = n * gp, padded = (flat + 31) / 32 * 32;
     for (int64_t i = flat; i < padded; i++) s[i] = -INFINITY;
     float lane_max[16], lane_sum[16];
     for (int64_t l = 0; l < 16; l += 4) _mm_storeu_ps(lane_max + l, best[(l % gp) / 4]);
@@ -103,8 +106,9 @@ static inline __attribute__((always_inline)) void attend_row_impl(
         const __m512 x = _mm512_loadu_ps(s + i);
         const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
         const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, mx)));
-        _mm512_storeu_ps(s + i, e);
-        sum = _mm512_add_ps(sum, e);
+        const __m512 r = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(e));
+        _mm512_storeu_ps(s + i, r);
+        sum = _mm512_add_ps(sum, r);
     }
     _mm512_storeu_ps(lane_sum, sum);
     float inv[ZS_MAX_GROUP];
@@ -113,26 +117,67 @@ static inline __attribute__((always_inline)) void attend_row_impl(
         for (int64_t l = g; l < 16; l += gp) total += lane_sum[l];
         inv[g] = 1.f / total;
     }
-    /* Weighted V rows, each read once for the whole group. */
+    /* The weights as bf16 pairs of consecutive keys, pair-major: w[j * gp + g] holds
+     * keys 2j and 2j + 1 of query head g (in place: each 32 floats become 16 pairs). */
+    int32_t *w = (int32_t *)s;
+    {
+        int16_t pick[32];
+        for (int64_t e = 0; e < 32; e++) {
+            const int64_t j = e / 2, key = 2 * (j / gp) + e % 2;
+            pick[e] = (int16_t)(key * gp + j % gp);
+        }
+        const __m512i order = _mm512_loadu_si512(pick);
+        for (int64_t i = 0; i < padded; i += 32) {
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + i + 16),
+                                                              _mm512_loadu_ps(s + i));
+            _mm512_storeu_si512(w + i / 2, _mm512_permutexvar_epi16(order, both));
+        }
+    }
+    /* Weighted V rows, two keys at a time on bf16 dot products: rows t and t + 1
+     * interleaved (16-bit lanes unpacked within each 128-bit lane, so accumulator 2c
+     * holds dims {0-3, 8-11, 16-19, 24-27} of chunk c and 2c + 1 the others), each
+     * pair read once for the whole group. A last odd key pairs with itself at weight 0. */
     __m512 acc[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM / 16];
     for (int64_t g = 0; g < groups; g++)
-        for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < 2 * dk; c++) acc[g][c] = _mm512_setzero_ps();
+    const bf16 *held = NULL;
+    int64_t pair = 0;
     for (int64_t t = 0, b = start / bs; t < n; b++) {
         const bf16 *vb = v_cache + ((int64_t)table[b] * hkv + h) * bs * d;
         const int64_t first = start + t - b * bs, stop = len - b * bs < bs ? len - b * bs : bs;
         for (int64_t off = first; off < stop; off++, t++) {
             const bf16 *vr = vb + off * d;
-            __m512 vv[ZS_MAX_HEAD_DIM / 16];
-            for (int64_t c = 0; c < dv; c++) {
-                const int64_t left = d - c * 16;
-                vv[c] = load_bf16_as_f32(vr + c * 16, lanes16(left));
+            if (!held && t + 1 < n) {
+                held = vr;
+                continue;
+            }
+            const bf16 *v0 = held ? held : vr;
+            held = NULL;
+            __m512i vp[ZS_MAX_HEAD_DIM / 16];
+            for (int64_t c = 0; c < dk; c++) {
+                const __mmask32 m = lanes32(d - c * 32);
+                const __m512i a = _mm512_maskz_loadu_epi16(m, v0 + c * 32);
+                const __m512i z = _mm512_maskz_loadu_epi16(m, vr + c * 32);
+                vp[2 * c] = _mm512_unpacklo_epi16(a, z);
+                vp[2 * c + 1] = _mm512_unpackhi_epi16(a, z);
             }
             for (int64_t g = 0; g < groups; g++) {
-                const __m512 p = _mm512_set1_ps(s[t * gp + g]);
-                for (int64_t c = 0; c < dv; c++) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+                const __m512bh p = (__m512bh)_mm512_set1_epi32(w[pair * gp + g]);
+                for (int64_t c = 0; c < 2 * dk; c++)
+                    acc[g][c] = _mm512_dpbf16_ps(acc[g][c], p, (__m512bh)vp[c]);
             }
+            pair++;
         }
     }
+    /* Back in dim order: 16 dims from the two accumulators of their chunk. */
+    const __m512i lo_dims = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi_dims = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t c = 0; c < dk; c++) {
+            const __m512 a = acc[g][2 * c], z = acc[g][2 * c + 1];
+            acc[g][2 * c] = _mm512_permutex2var_ps(a, lo_dims, z);
+            acc[g][2 * c + 1] = _mm512_permutex2var_ps(a, hi_dims, z);
+        }
     for (int64_t g = 0; g < groups; g++) {
         __m512 f = _mm512_set1_ps(inv[g]), fp = _mm512_setzero_ps();
         if (part) { /* merge the shared prefix's sums (tiled_attention.c), by their maxima */
@@ -207,8 +252,8 @@ static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
     float inv[ZS_MAX_GROUP];
     for (int64_t g = 0; g < groups; g++) {
         float *sg = s + g * s_stride, sum = 0.f;
-        for (int64_t t = 0; t < n; t++) {
-            sg[t] = expf(sg[t] - best[g]);
+        for (int64_t t = 0; t < n; t++) { /* bf16 weights, as the AVX-512 build's */
+            sg[t] = round_bf(expf(sg[t] - best[g]));
             sum += sg[t];
         }
         inv[g] = 1.f / sum;
