@@ -290,8 +290,11 @@ def test_bad_sleep_and_wake_up_parameters_are_400s_naming_them(http):
     assert http.get("/is_sleeping").json() == {"is_sleeping": False}
 
 
-async def _stream(client, prompt: str, max_tokens: int, first: asyncio.Event) -> tuple[str, str]:
-    """A streamed completion's text and finish reason; `first` is set at its first token."""
+async def _stream(
+    client, prompt: str, max_tokens: int, first: asyncio.Event | None, counts: dict | None = None
+) -> tuple[str, str]:
+    """A streamed completion's text and finish reason; `first` is set at its first token,
+    `counts[prompt]` counts its chunks as they come."""
     text, reason = "", None
     stream = await client.completions.create(
         model=MODEL,
@@ -304,8 +307,23 @@ async def _stream(client, prompt: str, max_tokens: int, first: asyncio.Event) ->
     async for chunk in stream:
         text += chunk.choices[0].text
         reason = chunk.choices[0].finish_reason or reason
-        first.set()
+        if first is not None:
+            first.set()
+        if counts is not None:
+            counts[prompt] = counts.get(prompt, 0) + 1
     return text, reason
+
+
+async def _undisturbed(client, prompts: list[str]) -> list[str]:
+    """The texts of the same greedy requests, run again with nothing in their way."""
+    again = [
+        client.completions.create(
+            model=MODEL, prompt=p, max_tokens=UNDER_LOAD_TOKENS, temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+        for p in prompts
+    ]  # fmt: skip
+    return [c.choices[0].text for c in await asyncio.gather(*again)]
 
 
 def test_a_sleep_wake_cycle_under_load_loses_no_admitted_request(deployment):
@@ -343,14 +361,7 @@ async def _cycle_under_load(deployment: ZServe, prompts: list[str]) -> tuple[lis
         finally:  # awake again whatever failed: the module's other tests share the engines
             assert (await ahttp.post("/wake_up")).status_code == 200
         results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
-        again = [
-            client.completions.create(
-                model=MODEL, prompt=p, max_tokens=UNDER_LOAD_TOKENS, temperature=0.0,
-                extra_body={"ignore_eos": True},
-            )
-            for p in prompts
-        ]  # fmt: skip
-        undisturbed = [c.choices[0].text for c in await asyncio.gather(*again)]
+        undisturbed = await _undisturbed(client, prompts)
     return results, undisturbed
 
 
@@ -445,20 +456,6 @@ def stats(http: httpx.Client) -> list[dict]:
     return http.post("/collective_rpc", json={"method": "get_stats"}).json()["results"]
 
 
-async def _counted_stream(client, prompt: str, max_tokens: int, counts: dict) -> tuple[str, str]:
-    """_stream, counting chunks in `counts[prompt]` as they come."""
-    text, reason = "", None
-    stream = await client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True, temperature=0.0,
-        extra_body={"ignore_eos": True},
-    )  # fmt: skip
-    async for chunk in stream:
-        text += chunk.choices[0].text
-        reason = chunk.choices[0].finish_reason or reason
-        counts[prompt] = counts.get(prompt, 0) + 1
-    return text, reason
-
-
 def test_pause_keep_freezes_requests_in_flight_and_queues_new_ones_until_resume(deployment):
     """mode=keep: the streams stop where they are (KV cache kept), a request sent while
     paused is taken and waits (not a 503), and after /resume everything finishes exactly
@@ -476,7 +473,7 @@ async def _pause_keep(deployment: ZServe, prompts: list[str]) -> tuple[list, str
         httpx.AsyncClient(base_url=deployment.base_url, headers=AUTH, timeout=60) as ahttp,
     ):
         tasks = [
-            asyncio.create_task(_counted_stream(client, p, UNDER_LOAD_TOKENS, counts))
+            asyncio.create_task(_stream(client, p, UNDER_LOAD_TOKENS, None, counts))
             for p in prompts
         ]
         while len(counts) < len(prompts):
@@ -505,14 +502,7 @@ async def _pause_keep(deployment: ZServe, prompts: list[str]) -> tuple[list, str
             assert r.status_code == 200 and r.json()["status"] == "resumed"
         results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         late_reason = (await asyncio.wait_for(late, 60)).choices[0].finish_reason
-        again = [
-            client.completions.create(
-                model=MODEL, prompt=p, max_tokens=UNDER_LOAD_TOKENS, temperature=0.0,
-                extra_body={"ignore_eos": True},
-            )
-            for p in prompts
-        ]  # fmt: skip
-        undisturbed = [c.choices[0].text for c in await asyncio.gather(*again)]
+        undisturbed = await _undisturbed(client, prompts)
     return results, late_reason, undisturbed
 
 
@@ -530,7 +520,7 @@ async def _pause_wait(deployment: ZServe) -> tuple[bool, str, list]:
         async_client(deployment, api_key=KEY) as client,
         httpx.AsyncClient(base_url=deployment.base_url, headers=AUTH, timeout=120) as ahttp,
     ):
-        tasks = [asyncio.create_task(_counted_stream(client, p, 300, counts)) for p in prompts]
+        tasks = [asyncio.create_task(_stream(client, p, 300, None, counts)) for p in prompts]
         while len(counts) < len(prompts):
             await asyncio.sleep(0.02)
         try:
