@@ -51,8 +51,8 @@ def server(tiny_model, tmp_path_factory):
         "--data-parallel-size", "2",
         "--kv-cache-memory-bytes", "64MiB",
         "--device", "cpu",
-        # One running slot and one thread per engine: a blocker's 900 tokens outlast the
-        # tests' polling for a request waiting behind it.
+        # One running slot and one thread per engine: a blocker's 1020 tokens (~0.5 s
+        # here) outlast the tests' polling for a request waiting behind it.
         "--max-num-seqs", "1",
         "--cpu-threads", "1",
         "--max-num-queued-reqs", str(MAX_QUEUED_REQS),
@@ -88,7 +88,9 @@ class Blocker:
         request = pb.GenerateRequest(
             request_id=request_id,
             tokenized=pb.TokenizedInput(input_ids=[66] * 4),
-            sampling_params=pb.SamplingParams(max_tokens=900, ignore_eos=True),
+            # The whole context (4 + 1020 = MAX_MODEL_LEN): as long as it can live. The
+            # gRPC door has no /pause to hold it there, as the HTTP tests' blocker does.
+            sampling_params=pb.SamplingParams(max_tokens=MAX_MODEL_LEN - 4, ignore_eos=True),
             stream=True,
             data_parallel_rank=rank,
         )
