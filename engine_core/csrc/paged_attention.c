@@ -120,23 +120,20 @@ static inline __attribute__((always_inline)) void attend_row_impl(
     /* The weights as bf16 pairs of consecutive keys, pair-major: w[j * gp + g] holds
      * keys 2j and 2j + 1 of query head g (in place: each 32 floats become 16 pairs). */
     int32_t *w = (int32_t *)s;
-    {
-        int16_t pick[32];
-        for (int64_t e = 0; e < 32; e++) {
-            const int64_t j = e / 2, key = 2 * (j / gp) + e % 2;
-            pick[e] = (int16_t)(key * gp + j % gp);
-        }
-        const __m512i order = _mm512_loadu_si512(pick);
-        for (int64_t i = 0; i < padded; i += 32) {
-            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + i + 16),
-                                                              _mm512_loadu_ps(s + i));
-            _mm512_storeu_si512(w + i / 2, _mm512_permutexvar_epi16(order, both));
-        }
+    int16_t pick[32];
+    for (int64_t e = 0; e < 32; e++) {
+        const int64_t j = e / 2, key = 2 * (j / gp) + e % 2;
+        pick[e] = (int16_t)(key * gp + j % gp);
     }
-    /* Weighted V rows, two keys at a time on bf16 dot products: rows t and t + 1
-     * interleaved (16-bit lanes unpacked within each 128-bit lane, so accumulator 2c
-     * holds dims {0-3, 8-11, 16-19, 24-27} of chunk c and 2c + 1 the others), each
-     * pair read once for the whole group. A last odd key pairs with itself at weight 0. */
+    const __m512i order = _mm512_loadu_si512(pick);
+    for (int64_t i = 0; i < padded; i += 32) {
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + i + 16),
+                                                          _mm512_loadu_ps(s + i));
+        _mm512_storeu_si512(w + i / 2, _mm512_permutexvar_epi16(order, both));
+    }
+    /* Weighted V rows, two keys at a time on bf16 dot products: rows t and t + 1 unpacked
+     * within each 128-bit lane, so accumulator 2c holds dims {0-3, 8-11, 16-19, 24-27} of
+     * chunk c and 2c + 1 the others. A last odd key pairs with itself at weight 0. */
     __m512 acc[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM / 16];
     for (int64_t g = 0; g < groups; g++)
         for (int64_t c = 0; c < 2 * dk; c++) acc[g][c] = _mm512_setzero_ps();
@@ -169,14 +166,17 @@ static inline __attribute__((always_inline)) void attend_row_impl(
             pair++;
         }
     }
-    /* Back in dim order: 16 dims from the two accumulators of their chunk. */
+    /* Back in dim order, into another array in loops unrolled whole: `acc` is read only at
+     * constant indices, so it stays in registers above (else GCC stores it every pair). */
     const __m512i lo_dims = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i hi_dims = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    __m512 res[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM / 16];
+#pragma GCC unroll 16
     for (int64_t g = 0; g < groups; g++)
+#pragma GCC unroll 8
         for (int64_t c = 0; c < dk; c++) {
-            const __m512 a = acc[g][2 * c], z = acc[g][2 * c + 1];
-            acc[g][2 * c] = _mm512_permutex2var_ps(a, lo_dims, z);
-            acc[g][2 * c + 1] = _mm512_permutex2var_ps(a, hi_dims, z);
+            res[g][2 * c] = _mm512_permutex2var_ps(acc[g][2 * c], lo_dims, acc[g][2 * c + 1]);
+            res[g][2 * c + 1] = _mm512_permutex2var_ps(acc[g][2 * c], hi_dims, acc[g][2 * c + 1]);
         }
     for (int64_t g = 0; g < groups; g++) {
         __m512 f = _mm512_set1_ps(inv[g]), fp = _mm512_setzero_ps();
@@ -189,7 +189,7 @@ static inline __attribute__((always_inline)) void attend_row_impl(
         for (int64_t c = 0; c < dv; c++) {
             const int64_t left = d - c * 16;
             const __mmask16 m = lanes16(left);
-            __m512 r = _mm512_mul_ps(acc[g][c], f);
+            __m512 r = _mm512_mul_ps(res[g][c], f);
             if (part) r = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, part + g * (d + 2) + c * 16), fp, r);
             _mm256_mask_storeu_epi16(out + g * d + c * 16, m, (__m256i)_mm512_cvtneps_pbh(r));
         }
