@@ -18,12 +18,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from engine_core.config import ProfilerConfig
-from engine_core.scheduler import HOLD_ALL, HOLD_NEW
 from engine_core.sleep_mode import SleepMode, memory_usage
 from protocol.controls import (
     COLLECTIVE_RPC,
     COLLECTIVE_RPC_METHODS,
     CONFLICT,
+    HOLD_ALL,
+    HOLD_NEW,
     IS_PAUSED,
     IS_SLEEPING,
     PAUSE,

@@ -19,6 +19,7 @@ from engine_core.block_manager import BlockManager
 from engine_core.lora_manager import LoraManager
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduling_policy import make_policy
+from protocol.controls import HOLD_ALL, HOLD_NEW
 from protocol.messages import FinishReason
 
 
@@ -49,10 +50,6 @@ class SchedulerOutput:
 # Waiting requests one step passes over because their LoRA adapter cannot run yet (not
 # loaded, or --max-loras others running): a bound on the work of a step that admits none.
 MAX_LORA_SKIPS = 64
-
-# What a paused scheduler holds back (`Scheduler.hold`; None when it is not paused).
-HOLD_NEW = "new"  # waiting requests: running ones go on (pause modes abort and wait)
-HOLD_ALL = "all"  # everything: running requests are frozen where they are (mode keep)
 
 
 class Scheduler:

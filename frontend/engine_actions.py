@@ -60,8 +60,7 @@ async def sleep(client: EngineClient, level: int = 1, mode: str = "abort") -> li
     when every engine was asleep already."""
     if level not in SLEEP_LEVELS:
         raise APIError(f"level must be one of {list(SLEEP_LEVELS)}, got {level!r}", param="level")
-    if mode not in SLEEP_MODES:
-        raise APIError(f"mode must be one of {list(SLEEP_MODES)}, got {mode[:32]!r}", param="mode")
+    _check_mode(mode, SLEEP_MODES)
     log.info("putting every engine to sleep: level %d, mode %s", level, mode)
     return _unless_all_refused(client, await broadcast(client, SLEEP, level, mode))
 
@@ -88,8 +87,7 @@ async def pause(client: EngineClient, mode: str = "abort", clear_cache: bool = T
     """Pause every engine (protocol/controls.py: PAUSE_MODES): new requests queue until
     a resume. Mode wait answers once every engine's running requests have finished; 409
     when every engine was already pausing that way."""
-    if mode not in PAUSE_MODES:
-        raise APIError(f"mode must be one of {list(PAUSE_MODES)}, got {mode[:32]!r}", param="mode")
+    _check_mode(mode, PAUSE_MODES)
     log.info("pausing every engine: mode %s, clear_cache %s", mode, clear_cache)
     return _unless_all_refused(client, await broadcast(client, PAUSE, mode, clear_cache))
 
@@ -159,6 +157,11 @@ async def broadcast(
         for task in pending:
             task.cancel()
     return [_result(task, calls[task]) for task in calls]
+
+
+def _check_mode(mode: str, modes: tuple[str, ...]) -> None:
+    if mode not in modes:
+        raise APIError(f"mode must be one of {list(modes)}, got {mode[:32]!r}", param="mode")
 
 
 def _result(task: asyncio.Future, engine: EngineState) -> object:

@@ -24,6 +24,7 @@ from frontend.engine_state import (
     RequestStream,
 )
 from protocol import codec
+from protocol.controls import HOLD_ALL
 from protocol.keys import start_authenticator
 from protocol.messages import (
     ENGINE_CORE_DEAD,
@@ -365,7 +366,7 @@ class EngineClient:
                 s = engine.stats
                 # Asleep, an engine keeps its requests (mode keep) and does not step;
                 # paused, it steps only its running requests, or none (mode keep).
-                if s.sleep_level or s.generation_hold == "all":
+                if s.sleep_level or s.generation_hold == HOLD_ALL:
                     busy = False
                 elif s.generation_hold:
                     busy = s.num_running

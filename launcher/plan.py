@@ -281,8 +281,8 @@ def dev_routes_enabled(args: argparse.Namespace) -> bool:
     if enabled:
         log.warning(
             "SECURITY: development routes are on (%s): /sleep, /wake_up, /pause, /resume, "
-            "/collective_rpc, /reset_prefix_cache and /server_info let any client%s stop the engines and read "
-            "the server's internals; never expose this server to untrusted clients",
+            "/collective_rpc, /reset_prefix_cache and /server_info let any client%s stop the "
+            "engines and read the server's internals; never expose it to untrusted clients",
             "--enable-dev-routes" if args.enable_dev_routes else "ZSERVE_SERVER_DEV_MODE=1",
             " with the API key" if (args.api_key or os.environ.get("ZSERVE_API_KEY")) else "",
         )

@@ -107,7 +107,8 @@ def add_dev_args(p: argparse.ArgumentParser) -> None:
         "--enable-dev-routes",
         action="store_true",
         help="serve /server_info, /reset_prefix_cache, /sleep, /wake_up, /is_sleeping, "
-        "/pause, /resume, /is_paused and /collective_rpc (also: ZSERVE_SERVER_DEV_MODE=1, as vLLM's VLLM_SERVER_DEV_MODE)",
+        "/pause, /resume, /is_paused and /collective_rpc (also: ZSERVE_SERVER_DEV_MODE=1, "
+        "as vLLM's VLLM_SERVER_DEV_MODE)",
     )
     g.add_argument(
         "--wait-while-asleep",

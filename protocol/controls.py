@@ -16,6 +16,11 @@ SLEEP_MODES = ("abort", "wait", "keep")
 # until POST /resume. abort: in-flight requests end (a 503 error); wait: they finish
 # first, the pause answers then; keep: they are frozen where they are, KV cache kept.
 PAUSE_MODES = SLEEP_MODES
+# What a paused engine holds back (its scheduler's `hold`, and SchedulerStats'
+# generation_hold, "" when not paused): HOLD_NEW, waiting requests (running ones go on:
+# modes abort and wait); HOLD_ALL, everything (running ones frozen where they are: keep).
+HOLD_NEW = "new"
+HOLD_ALL = "all"
 WAKE_TAGS = ("weights", "kv_cache")  # what a wake-up may restore (all when none given)
 
 # Utility methods behind the dedicated routes.

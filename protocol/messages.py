@@ -276,8 +276,8 @@ class SchedulerStats(_Wire):
     # list), and the adapters loaded in memory now (a balancer may prefer them).
     lora_version: int = 0
     lora_loaded: list[str] = []
-    # Paused (POST /pause; requests still come in and queue): "" not paused, "new" no
-    # waiting request starts (running ones go on), "all" nothing steps.
+    # Paused (POST /pause; requests still come in and queue): "" not paused, else
+    # protocol/controls.py's HOLD_NEW (no waiting request starts) or HOLD_ALL (nothing steps).
     generation_hold: str = ""
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from engine_core.block_manager import BlockManager
 from engine_core.request import Request, RequestStatus
-from engine_core.scheduler import HOLD_ALL, HOLD_NEW, Scheduler, SchedulerOutput
+from engine_core.scheduler import Scheduler, SchedulerOutput
+from protocol.controls import HOLD_ALL, HOLD_NEW
 from protocol.messages import EngineCoreRequest, FinishReason, SamplingParams
 
 EOS = 99
