@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from engine_core.attention import AttentionMetadata, StepBatch
+from engine_core.attention import AttentionMetadata, StepBatch, int_tensor
 from engine_core.backends import make_backend
 from engine_core.config import EngineConfig
 from engine_core.device import select_device, set_up_host, torch_threads_beside
@@ -213,16 +213,11 @@ class ModelRunner:
             rows.extend(range(base + first, base + end))
 
         dev = self.device
-        positions = torch.tensor(pos)
+        positions = int_tensor(pos)
         meta = self.backend.attention_metadata(
             StepBatch(sequences, num_decodes, positions, lora), self.cache
         )
-        return (
-            torch.tensor(ids, device=dev),
-            positions.to(dev),
-            meta,
-            torch.tensor(rows, dtype=torch.long, device=dev),
-        )
+        return int_tensor(ids).to(dev), positions.to(dev), meta, int_tensor(rows).to(dev)
 
 
 def _lora_runs(

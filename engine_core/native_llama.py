@@ -29,6 +29,7 @@ from engine_core.attention import (
     StepBatch,
     cached_chunk_attention,
     gather_index,
+    int_tensor,
     paged_attention,
     rows_between,
     torch_metadata,
@@ -417,8 +418,7 @@ def _lora_linear(linear: Linear, x: torch.Tensor, lora: LoraRows | None, slot: i
 def _paged_rows_metadata(batch: StepBatch, cache: PagedKVCache, sdpa: bool) -> AttentionMetadata:
     """The CPU kernels' metadata: one block table per sequence, one entry per row; with
     `sdpa`, the long prefill chunks that take SDPA's attention."""
-    # Hot path: plain lists, one tensor each at the end (repeat_interleave and
-    # fancy indexing cost more than the lists at these sizes).
+    # Hot path: plain lists, one tensor each at the end (cheaper than torch ops here).
     bs = cache.block_size
     tables: list[list[int]] = []
     row_table: list[int] = []
@@ -438,13 +438,13 @@ def _paged_rows_metadata(batch: StepBatch, cache: PagedKVCache, sdpa: bool) -> A
             dense.append(PrefillChunk(row, row + n, start, gather_index(cache, table)))
         row += n
     width = max(len(t) for t in tables)
-    positions = batch.positions
+    flat = [b for t in tables for b in t + [0] * (width - len(t))]
     rows = PagedRows(
-        slots=torch.tensor(slots),
-        tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        row_table=torch.tensor(row_table, dtype=torch.int32),
-        row_len=(positions + 1).to(torch.int32),
-        max_len=int(positions.max()) + 1,
+        slots=int_tensor(slots),
+        tables=int_tensor(flat, torch.int32).view(len(tables), width),
+        row_table=int_tensor(row_table, torch.int32),
+        row_len=(batch.positions + 1).to(torch.int32),
+        max_len=int(batch.positions.max()) + 1,
         kernel_spans=rows_between(dense, row),
     )
     return AttentionMetadata(kv_caches=cache.layers, rows=rows, prefills=dense)
