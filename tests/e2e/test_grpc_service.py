@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import re
+import shutil
 import threading
 import zipfile
 from pathlib import Path
@@ -32,18 +34,34 @@ pytestmark = pytest.mark.timeout(300)
 KEY = "grpc-test-key"
 AUTH = (("authorization", f"Bearer {KEY}"),)
 VOCAB_SIZE = 320
-MAX_MODEL_LEN = 1024
+# The tiny llama with a long context: a Blocker's stream of MAX_MODEL_LEN - 4 tokens
+# lives ~16 s on one thread here, so tests can look at requests waiting behind it for as
+# long as they need (the gRPC door has no /pause to hold it, as the HTTP tests' has).
+MAX_MODEL_LEN = 16384
 MAX_QUEUED_REQS = 3
 MAX_BODY = 256 * 1024
 PROMPT = [72, 101, 108, 108, 111]  # "Hello"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
+def long_model(tiny_model, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("long-context") / "llama"
+    shutil.copytree(tiny_model("llama"), folder)
+    for name, key in (
+        ("config.json", "max_position_embeddings"),
+        ("tokenizer_config.json", "model_max_length"),
+    ):
+        path = folder / name
+        path.write_text(json.dumps({**json.loads(path.read_text()), key: MAX_MODEL_LEN}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(long_model, tmp_path_factory):
     cert = self_signed_certificate(tmp_path_factory.mktemp("tls"))
     tls = ("--ssl-keyfile", str(cert[0]), "--ssl-certfile", str(cert[1])) if cert else ()
     with GRPCZServe(
-        str(tiny_model("llama")),
+        str(long_model),
         "--served-model-name", "tiny",
         "--api-key", KEY,
         *tls,
@@ -51,9 +69,7 @@ def server(tiny_model, tmp_path_factory):
         "--data-parallel-size", "2",
         "--kv-cache-memory-bytes", "64MiB",
         "--device", "cpu",
-        # One running slot and one thread per engine: a blocker's 1020 tokens (~0.5 s
-        # here) outlast the tests' polling for a request waiting behind it.
-        "--max-num-seqs", "1",
+        "--max-num-seqs", "1",  # one running slot per engine, for a Blocker to hold
         "--cpu-threads", "1",
         "--max-num-queued-reqs", str(MAX_QUEUED_REQS),
         "--max-request-body-bytes", str(MAX_BODY),
@@ -88,8 +104,6 @@ class Blocker:
         request = pb.GenerateRequest(
             request_id=request_id,
             tokenized=pb.TokenizedInput(input_ids=[66] * 4),
-            # The whole context (4 + 1020 = MAX_MODEL_LEN): as long as it can live. The
-            # gRPC door has no /pause to hold it there, as the HTTP tests' blocker does.
             sampling_params=pb.SamplingParams(max_tokens=MAX_MODEL_LEN - 4, ignore_eos=True),
             stream=True,
             data_parallel_rank=rank,
@@ -379,7 +393,7 @@ BAD = {
     "no_input": (dict(tokenized=None), "tokenized"),
     "too_long": (dict(tokenized=pb.TokenizedInput(input_ids=[5] * MAX_MODEL_LEN)), "tokenized.input_ids"),
     "max_tokens_0": (dict(sampling_params=pb.SamplingParams(max_tokens=0)), "sampling_params.max_tokens"),
-    "max_tokens_big": (dict(sampling_params=pb.SamplingParams(max_tokens=5000)), "sampling_params.max_tokens"),
+    "max_tokens_big": (dict(sampling_params=pb.SamplingParams(max_tokens=MAX_MODEL_LEN + 1)), "sampling_params.max_tokens"),
     "logprobs": (dict(sampling_params=pb.SamplingParams(logprobs=50)), "--max-logprobs"),
     "all_logprobs": (dict(sampling_params=pb.SamplingParams(logprobs=-1)), "sampling_params.logprobs"),
     "n": (dict(sampling_params=pb.SamplingParams(n=5000)), "sampling_params.n"),
