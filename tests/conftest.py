@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,3 +30,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
 def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The 19.7M-parameter benchmark llama; built on first use (trains a BPE, ~3 s)."""
     return build_tiny_model(tmp_path_factory.mktemp("small-model") / "small-llama", size="small")
+
+
+@pytest.fixture(scope="session")
+def long_context(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, int], Path]:
+    """`long_context(folder, positions)`: a copy of a model folder whose context is
+    `positions` tokens (its RoPE needs no table), for streams that outlast a test's waits
+    by construction instead of by a machine's speed."""
+
+    def make(folder: Path, positions: int) -> Path:
+        out = tmp_path_factory.mktemp("long-context") / folder.name
+        shutil.copytree(folder, out)
+        for name, key in (
+            ("config.json", "max_position_embeddings"),
+            ("tokenizer_config.json", "model_max_length"),
+        ):
+            path = out / name
+            path.write_text(json.dumps({**json.loads(path.read_text()), key: positions}))
+        return out
+
+    return make

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import re
-import shutil
 import threading
 import zipfile
 from pathlib import Path
@@ -44,24 +42,11 @@ PROMPT = [72, 101, 108, 108, 111]  # "Hello"
 
 
 @pytest.fixture(scope="module")
-def long_model(tiny_model, tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("long-context") / "llama"
-    shutil.copytree(tiny_model("llama"), folder)
-    for name, key in (
-        ("config.json", "max_position_embeddings"),
-        ("tokenizer_config.json", "model_max_length"),
-    ):
-        path = folder / name
-        path.write_text(json.dumps({**json.loads(path.read_text()), key: MAX_MODEL_LEN}))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def server(long_model, tmp_path_factory):
+def server(tiny_model, long_context, tmp_path_factory):
     cert = self_signed_certificate(tmp_path_factory.mktemp("tls"))
     tls = ("--ssl-keyfile", str(cert[0]), "--ssl-certfile", str(cert[1])) if cert else ()
     with GRPCZServe(
-        str(long_model),
+        str(long_context(tiny_model("llama"), MAX_MODEL_LEN)),
         "--served-model-name", "tiny",
         "--api-key", KEY,
         *tls,

@@ -170,15 +170,14 @@ def test_a_paused_engine_holding_requests_is_not_taken_for_a_hung_one(tiny_model
         assert "hung" not in server.log()
 
 
-def test_sigterm_drains_in_flight_requests_then_aborts_the_rest(small_model):
-    server = ZServe(
-        str(small_model), "--served-model-name", MODEL, *SMALL_KV, "--shutdown-timeout", "2"
-    )
+def test_sigterm_drains_in_flight_requests_then_aborts_the_rest(small_model, long_context):
+    # A context of 32,768 tokens (the 64 MiB cache holds it): 30,000 tokens take ~20 s
+    # at the fastest decode step measured here, far past the 2 s drain.
+    model = long_context(small_model, 32768)
+    server = ZServe(str(model), "--served-model-name", MODEL, *SMALL_KV, "--shutdown-timeout", "2")
     with server:
-        # 8 tokens finish well inside the 2 s drain; 4000 take longer on any CPU we know
-        # (~3 s at the small model's fastest decode here, 0.65 ms a step in-process)
-        short = StreamReader(server.base_url, max_tokens=8)
-        endless = StreamReader(server.base_url, max_tokens=4000)
+        short = StreamReader(server.base_url, max_tokens=8)  # well inside the drain
+        endless = StreamReader(server.base_url, max_tokens=30000)
         endless.start()
         assert endless.started.wait(30)
         short.start()
