@@ -108,42 +108,34 @@ static inline void pv_pass(const bf16 *pb, int64_t pstride, const bf16 *vn, int6
 }
 #endif
 
-/* The tile multiply on vectors: acc[c] (16 fp32 columns) += pair p of column c (dword
- * p * 16 + c of at: the A operand pair-major, so every broadcast is an offset from one
- * pointer and folds into its dot product) against row p of b (16 columns x 2). */
-static inline __attribute__((always_inline)) void dp_rows(__m512 acc[16], const int32_t *at,
-                                                          const bf16 *b) {
+/* The tile multiply on vectors: acc[c] (16 fp32 columns) += the 16 pairs of a's row c
+ * against the 16 rows of b (each 16 columns x 2). */
+static inline __attribute__((always_inline)) void dp_rows(__m512 acc[16], const bf16 *a,
+                                                          int64_t astride, const bf16 *b) {
     for (int p = 0; p < 16; p++) {
         const __m512bh bp = (__m512bh)_mm512_loadu_si512(b + p * 32);
-        for (int c = 0; c < 16; c++)
-            acc[c] = _mm512_dpbf16_ps(acc[c], bp, (__m512bh)_mm512_set1_epi32(at[p * 16 + c]));
+        for (int c = 0; c < 16; c++) {
+            int32_t pair;
+            memcpy(&pair, a + c * astride + 2 * p, sizeof(pair));
+            acc[c] = _mm512_dpbf16_ps(acc[c], (__m512bh)_mm512_set1_epi32(pair), bp);
+        }
     }
 }
 
-/* 16 rows of 32 bf16 (row t at a + t * stride) -> pair-major: dword p * 16 + t of at. */
-static inline void pairs_major(const bf16 *a, int64_t stride, int32_t *at) {
-    __m512i r[16];
-    for (int t = 0; t < 16; t++) r[t] = _mm512_loadu_si512(a + t * stride);
-    transpose16(r);
-    for (int p = 0; p < 16; p++) _mm512_storeu_si512(at + p * 16, r[p]);
-}
-
-/* S = Q Kᵀ of one query tile (its Q pair-major, 256 dwords per 32 dims) against 16 keys
- * (their Kᵀ pairs at kt), on vectors. */
-static void scores_vec(const int32_t *qt, int64_t d, const bf16 *kt, float *s, int64_t ss) {
+/* S = Q Kᵀ of one query tile against 16 keys (their Kᵀ pairs at kt), on vectors. */
+static void scores_vec(const bf16 *aq, int64_t d, const bf16 *kt, float *s, int64_t ss) {
     __m512 acc[16];
     for (int c = 0; c < 16; c++) acc[c] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < d / 32; c++) dp_rows(acc, qt + c * 256, kt + c * 16 * 32);
+    for (int64_t c = 0; c < d / 32; c++) dp_rows(acc, aq + c * 32, d, kt + c * 16 * 32);
     for (int c = 0; c < 16; c++) _mm512_storeu_ps(s + c * ss, acc[c]);
 }
 
-/* P V of one query tile (P pair-major, 256 dwords per 32-key group) for dims [16 t,
- * 16 t + 16) over the 32-key groups [g0, g1). */
-static void pv_vec(const int32_t *pt, const bf16 *vn, int64_t d16, int64_t g0, int64_t g1,
-                   int64_t t, float *o, int64_t d) {
+/* P V of one query tile for dims [16 t, 16 t + 16) over the 32-key groups [g0, g1). */
+static void pv_vec(const bf16 *pb, int64_t pstride, const bf16 *vn, int64_t d16, int64_t g0,
+                   int64_t g1, int64_t t, float *o, int64_t d) {
     __m512 acc[16];
     for (int c = 0; c < 16; c++) acc[c] = _mm512_setzero_ps();
-    for (int64_t g = g0; g < g1; g++) dp_rows(acc, pt + g * 256, vn + (g * d16 + t) * 16 * 32);
+    for (int64_t g = g0; g < g1; g++) dp_rows(acc, pb + g * 32, pstride, vn + (g * d16 + t) * 16 * 32);
     for (int c = 0; c < 16; c++) _mm512_storeu_ps(o + c * d + t * 16, acc[c]);
 }
 
@@ -161,16 +153,13 @@ static void tiled_item(const struct zs_attention_job *j, const struct zs_tile_it
     kb -= kb % 16;
     const int64_t nk = ke - kb, nk16 = (nk + 15) / 16, nk32 = (nk + 31) / 32 * 32;
     /* Scratch: Kᵀ pairs [nk16][d32][16 pairs][16 keys x 2], V pairs [nk32/32][d16][16
-     * key pairs][16 dims x 2], scores [16][nk32] fp32, P [16][nk32], Q [16][d], out, and
-     * for the vectors Q and P pair-major. */
+     * key pairs][16 dims x 2], scores [16][nk32] fp32, P [16][nk32], Q [16][d], out. */
     bf16 *kt = zs_scratch((size_t)(nk16 * 16 * d * 2 + nk32 * d * 2 + 16 * nk32 * 4 +
-                                   16 * nk32 * 2 + 16 * d * 2 + 16 * d * 4 + 16 * d * 2 +
-                                   16 * nk32 * 2));
+                                   16 * nk32 * 2 + 16 * d * 2 + 16 * d * 4));
     bf16 *vn = kt + nk16 * 16 * d;
     float *s = (float *)(vn + nk32 * d);
     bf16 *pb = (bf16 *)(s + 16 * nk32), *aq = pb + 16 * nk32;
     float *o = (float *)(aq + 16 * d);
-    int32_t *qt = (int32_t *)(o + 16 * d), *pt = qt + 8 * d;
     /* The item's K/V blocks are scattered over the cache: ask for all of them first. */
     for (int64_t i = 0; i < nk16; i++) {
         const char *kr = (const char *)key_row(j, j->k_cache, table, kb + 16 * i, h);
@@ -235,10 +224,6 @@ static void tiled_item(const struct zs_attention_job *j, const struct zs_tile_it
             if (len > hi) hi = len;
         }
         const int64_t i0 = (lo - kb) / 16, i1 = (hi - kb + 15) / 16;
-#if ZS_AMX
-        if (!amx)
-#endif
-            for (int64_t c = 0; c < d32; c++) pairs_major(aq + c * 32, d, qt + c * 256);
         for (int64_t i = i0; i < i1; i++) {
 #if ZS_AMX
             if (amx) {
@@ -252,7 +237,7 @@ static void tiled_item(const struct zs_attention_job *j, const struct zs_tile_it
                 continue;
             }
 #endif
-            scores_vec(qt, d, kt + i * d32 * 16 * 32, s + i * 16, nk32);
+            scores_vec(aq, d, kt + i * d32 * 16 * 32, s + i * 16, nk32);
         }
         /* Softmax along each column's scores; P as bf16 over whole 32-key groups. */
         const int64_t g0 = i0 / 2, g1 = (i1 + 1) / 2;
@@ -308,10 +293,7 @@ static void tiled_item(const struct zs_attention_job *j, const struct zs_tile_it
                 pv_pass(pb, nk32, vn, d16, g0, g1, c0, d16 - c0 < 4 ? (int)(d16 - c0) : 4, o, d);
         else
 #endif
-        {
-            for (int64_t g = g0; g < g1; g++) pairs_major(pb + g * 32, nk32, pt + g * 256);
-            for (int64_t t = 0; t < d16; t++) pv_vec(pt, vn, d16, g0, g1, t, o, d);
-        }
+            for (int64_t t = 0; t < d16; t++) pv_vec(pb, nk32, vn, d16, g0, g1, t, o, d);
         for (int64_t c = 0; c < cols; c++) {
             const int64_t n = it->rows[r0 + c / groups], head = h * groups + c % groups;
             if (it->shared) { /* the sums, for the row walk to finish (paged_attention.c) */
