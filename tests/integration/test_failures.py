@@ -228,9 +228,11 @@ def test_sigkill_of_the_supervisor_leaves_no_orphans(tiny_model):
         assert port_is_free(server.port)
 
 
-def test_admission_limits_hold_for_the_whole_server(small_model):
+def test_admission_limits_hold_for_the_whole_server(small_model, long_context):
+    # Three streams of 8,000 tokens (~23 s here; the 64 MiB cache holds 32k tokens) hold
+    # the three queue places for as long as the tries below take.
     server = ZServe(
-        str(small_model),
+        str(long_context(small_model, 16384)),
         "--served-model-name",
         MODEL,
         *SMALL_KV,
@@ -242,14 +244,18 @@ def test_admission_limits_hold_for_the_whole_server(small_model):
     )
     with server:
         readers = [
-            StreamReader(server.base_url, max_tokens=3000, headers={"Connection": "close"})
+            StreamReader(server.base_url, max_tokens=8000, headers={"Connection": "close"})
             for _ in range(3)
         ]
         for r in readers:
             r.start()
             assert r.started.wait(30)
         servers_used = set()
-        for _ in range(10):  # whichever API server answers, the fourth request is refused
+        # Whichever API server answers, the fourth request is refused: at least 10 tries,
+        # and more until both have answered (the kernel spreads new connections at random).
+        for attempt in range(40):
+            if attempt >= 10 and servers_used == {0, 1}:
+                break
             r = httpx.post(
                 server.base_url + "/v1/completions",
                 headers={"Connection": "close"},
