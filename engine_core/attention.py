@@ -37,6 +37,13 @@ def int_tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Ten
     return torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)
 
 
+def table_tensor(tables: list[list[int]], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Block tables [len(tables), the longest], each padded with the null block 0."""
+    width = max(len(t) for t in tables)
+    flat = [b for t in tables for b in t + [0] * (width - len(t))]
+    return int_tensor(flat, dtype).view(len(tables), width)
+
+
 @dataclass
 class PrefillChunk:
     """A multi-token chunk: rows [start, end) of the packed batch."""
@@ -134,21 +141,20 @@ def torch_metadata(batch: StepBatch, cache: PagedKVCache) -> AttentionMetadata:
     decode_index = decode_pos = key_pos = None
     token_blocks = [blocks[start // bs] for blocks, start, _ in decodes]
     if decodes:
-        tables = [blocks for blocks, _, _ in decodes]
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        table = table_tensor([blocks for blocks, _, _ in decodes])
+        width = table.shape[1]
         heads = cache.num_kv_heads
         decode_index = (table[:, None, :] * heads + cache.head_offsets[None, :, None]).flatten()
         decode_pos = batch.positions[:nd, None]
         key_pos = cache.key_positions[:, : width * bs]
 
     chunks = []
-    block_parts = [torch.tensor(token_blocks, dtype=torch.long)]
+    block_parts = [int_tensor(token_blocks)]
     first = nd
     for blocks, start, n in batch.sequences[nd:]:
         block_ids = blocks[: -(-(start + n) // bs)]
         chunk_pos = torch.arange(start, start + n)
-        block_parts.append(torch.tensor(block_ids)[chunk_pos // bs])
+        block_parts.append(int_tensor(block_ids)[chunk_pos // bs])
         chunks.append(PrefillChunk(first, first + n, start, gather_index(cache, block_ids)))
         first += n
     token_blocks = torch.cat(block_parts) if chunks else block_parts[0]
@@ -186,7 +192,7 @@ def rows_between(chunks: list[PrefillChunk], rows: int) -> list[tuple[int, int]]
 
 def gather_index(cache: PagedKVCache, block_ids: list[int]) -> torch.Tensor:
     """(block, head) rows of one sequence's blocks, head-major: gathers [Hkv, L, D]."""
-    blocks = torch.tensor(block_ids)
+    blocks = int_tensor(block_ids)
     index = blocks[None, :] * cache.num_kv_heads + cache.head_offsets[:, None]
     return index.flatten().to(cache.device)
 

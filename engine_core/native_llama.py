@@ -32,6 +32,7 @@ from engine_core.attention import (
     int_tensor,
     paged_attention,
     rows_between,
+    table_tensor,
     torch_metadata,
 )
 from engine_core.config import EngineConfig
@@ -437,11 +438,9 @@ def _paged_rows_metadata(batch: StepBatch, cache: PagedKVCache, sdpa: bool) -> A
         if sdpa and n >= DENSE_MIN_ROWS and n * (start + n) >= DENSE_MIN_WORK:
             dense.append(PrefillChunk(row, row + n, start, gather_index(cache, table)))
         row += n
-    width = max(len(t) for t in tables)
-    flat = [b for t in tables for b in t + [0] * (width - len(t))]
     rows = PagedRows(
         slots=int_tensor(slots),
-        tables=int_tensor(flat, torch.int32).view(len(tables), width),
+        tables=table_tensor(tables, torch.int32),
         row_table=int_tensor(row_table, torch.int32),
         row_len=(batch.positions + 1).to(torch.int32),
         max_len=int(batch.positions.max()) + 1,
