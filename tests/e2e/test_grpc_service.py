@@ -55,7 +55,7 @@ def server(tiny_model, long_context, tmp_path_factory):
         "--kv-cache-memory-bytes", "64MiB",
         "--device", "cpu",
         "--max-num-seqs", "1",  # one running slot per engine, for a Blocker to hold
-        "--cpu-threads", "1",
+        "--cpu-threads", "1",  # two engines beside two API servers on the box's cores
         "--max-num-queued-reqs", str(MAX_QUEUED_REQS),
         "--max-request-body-bytes", str(MAX_BODY),
         "--max-concurrent-streams", "16",
