@@ -4,6 +4,7 @@ service's cache and tickets, the matcher, and the step bitmask (engine_core/).""
 from __future__ import annotations
 
 import json
+import threading
 
 import msgspec
 import pytest
@@ -230,11 +231,19 @@ def test_a_slow_compile_fails_its_request_after_the_timeout(tiny_model):
 
 
 def test_the_same_constraint_compiles_once_and_shares_the_compiled_grammar(tiny_model):
-    svc = GrammarService(tiny_model("llama"), VOCAB, eos_token_ids=[EOS], cache_size=2)
+    svc = GrammarService(
+        tiny_model("llama"), VOCAB, eos_token_ids=[EOS], cache_size=2, max_threads=1
+    )
     a, b, c = (StructuredOutputs(regex=r) for r in ("a+", "b+", "c+"))
+    # Hold the one compile thread, so that the compile of `a` is still queued when the
+    # second request for it comes (a compile of "a+" can finish between two submits).
+    gate = threading.Event()
+    svc._pool.submit(gate.wait, 30)
     first, second = svc.submit(a), svc.submit(a)  # the second joins the compile in flight
+    assert not second.ready() and svc.num_cache_hits == 0
+    gate.set()
     assert first.wait(30) and second.wait(30)
-    assert svc.num_compiled == 1
+    assert svc.num_compiled == 1 and svc.num_cache_hits == 0
     compiled = svc.compiled(a)
     third = svc.submit(StructuredOutputs(regex="a+", param="guided_regex"))
     assert third.ready() and svc.num_cache_hits == 1 and svc.compiled(a) is compiled
