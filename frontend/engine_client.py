@@ -22,6 +22,7 @@ from frontend.engine_state import (
     EngineDeadError,
     EngineState,
     RequestStream,
+    Wakeup,
 )
 from protocol import codec
 from protocol.controls import HOLD_ALL
@@ -240,7 +241,7 @@ class EngineClient:
         return next(self._groups)
 
     def add_request(
-        self, request: EngineCoreRequest, engine: EngineState, event: asyncio.Event | None = None
+        self, request: EngineCoreRequest, engine: EngineState, event: Wakeup | None = None
     ) -> RequestStream:
         if self.dead or not engine.alive:
             raise EngineDeadError(f"engine {engine.rank} is dead: {engine.dead_reason}")

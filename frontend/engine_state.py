@@ -32,6 +32,45 @@ class EngineState:
     steps_changed_at: float = 0.0  # when stats.num_steps last moved (hang detection)
 
 
+class Wakeup:
+    """An asyncio.Event for one waiter (the coroutine that streams a generation), set
+    once per engine output: it keeps its loop, where asyncio.Event.wait looks the
+    running loop up on every wait (and Python 3.11 checks the pid for it, a system
+    call per streamed token)."""
+
+    __slots__ = ("_loop", "_waiter", "_set")
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiter: asyncio.Future | None = None
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def clear(self) -> None:
+        self._set = False
+
+    async def wait(self) -> None:
+        """Return once set; one coroutine waits at a time (a cancelled wait leaves
+        no waiter behind)."""
+        if self._set:
+            return
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        self._waiter = waiter = self._loop.create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+
 class RequestStream:
     """Outputs of one engine request, in order, for the coroutine that serves it."""
 
@@ -41,7 +80,7 @@ class RequestStream:
         self,
         request_id: str,
         engine: EngineState,
-        event: asyncio.Event | None = None,
+        event: Wakeup | None = None,
         weight: int = 1,
     ) -> None:
         self.request_id = request_id
@@ -49,7 +88,7 @@ class RequestStream:
         self.weight = weight  # its share of engine.in_flight: the sequences it runs
         self.items: list[EngineCoreOutput] = []
         # Sibling streams of one API call (n > 1, several prompts) share one event.
-        self.event = event or asyncio.Event()
+        self.event = event or Wakeup()
         self.finished = False
         self.error: BaseException | None = None
 

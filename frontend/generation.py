@@ -16,7 +16,7 @@ import msgspec
 
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.engine_client import EngineClient
-from frontend.engine_state import EngineState, RequestStream
+from frontend.engine_state import EngineState, RequestStream, Wakeup
 from frontend.errors import APIError, asleep_error
 from protocol.messages import (
     EngineCoreOutput,
@@ -104,7 +104,7 @@ class Generation:
         self.engine_rank = engine_rank
         self.lora_name = lora_name
         self.cache_salt = cache_salt
-        self.event = asyncio.Event()
+        self.event = Wakeup()
         self.arrival_time = now()
         self.keep_logprobs = False  # non-streaming responses collect every logprob row
         self.done = False  # set once the serving context has recorded it
