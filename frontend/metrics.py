@@ -11,6 +11,8 @@ have seen every step.
 
 from __future__ import annotations
 
+import asyncio
+import bisect
 import os
 import time
 
@@ -118,6 +120,8 @@ class Metrics:
         )
         self.n_param = histogram("request_params_n", "n per request.", [1, 2, 5, 10, 20])
         self._itl = self.itl.labels(model_name)
+        self._gaps: list[float] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.prompt_tokens = Counter(
             p + "prompt_tokens", "Prompt tokens processed.", labels, registry=registry
         )
@@ -180,7 +184,32 @@ class Metrics:
     # --- hot path: called once per output batch of a request -----------------------
 
     def observe_gap(self, gap_s: float) -> None:
-        self._itl.observe(gap_s)
+        """Buffered: the gaps of one engine output (a token of every running stream)
+        reach the histogram together, once the streams woken by it have run."""
+        gaps = self._gaps
+        gaps.append(gap_s)
+        if len(gaps) == 1:
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+            self._loop.call_soon(self._flush_gaps)
+
+    def _flush_gaps(self) -> None:
+        """One add per bucket touched and one to the sum, where observe() per gap
+        writes the multiprocess files twice a gap (~1.75 us: ~3 % of an API server's
+        CPU on a streamed token). prometheus_client has no bulk observe; this adds
+        to the labelled histogram's own values (_sum, _buckets, _upper_bounds: the
+        same in every release since 0.0.x), counting a gap in the first bucket whose
+        bound is at or above it, as observe() does."""
+        gaps, self._gaps = self._gaps, []
+        child = self._itl
+        bounds = child._upper_bounds
+        counts = [0] * len(bounds)
+        for gap in gaps:
+            counts[bisect.bisect_left(bounds, gap)] += 1
+        child._sum.inc(sum(gaps))
+        for i, count in enumerate(counts):
+            if count:
+                child._buckets[i].inc(count)
 
     def admission_rejected(self, reason: str) -> None:
         self.admission_rejections.labels(self.model_name, reason).inc()
