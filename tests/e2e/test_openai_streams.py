@@ -6,10 +6,12 @@ test_openai_transport.py."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import httpx
 import openai
+import orjson
 import pytest
 from e2e_http import MODEL, async_client, engine_stats, parse_sse, post_stream, wait_for
 
@@ -45,6 +47,43 @@ def test_sse_framing(http, path, body):
         )
     # As vLLM 0.32's chunks: no usage key at all unless usage was asked for.
     assert all("usage" not in e for e in sse.events)
+
+
+def http_chunks(port: int, path: str, body: dict) -> list[bytes]:
+    """The response body's HTTP/1.1 chunks as the server framed them (one per write)."""
+    payload = orjson.dumps(body)
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        data = b""
+        while not data.endswith(b"\r\n0\r\n\r\n"):
+            got = sock.recv(65536)
+            assert got, f"the connection closed before the body ended: {data[-200:]!r}"
+            data += got
+    headers, rest = data.split(b"\r\n\r\n", 1)
+    assert b"transfer-encoding: chunked" in headers.lower()
+    chunks = []
+    while True:
+        size, rest = rest.split(b"\r\n", 1)
+        if int(size, 16) == 0:
+            return chunks
+        chunks.append(rest[: int(size, 16)])
+        rest = rest[int(size, 16) + 2 :]
+
+
+def test_a_stream_ends_with_its_last_chunk_usage_and_done_in_one_write(default_server):
+    """The last tokens' chunk, the usage chunk and [DONE] leave in one write with the
+    body's end (one segment for the client to read, not four); every other chunk is
+    one event of one token."""
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 6, "ignore_eos": True}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    chunks = http_chunks(default_server.port, "/v1/completions", body)
+    *tokens, last = chunks
+    assert len(tokens) == 5 and all(c.count(b"data: ") == 1 for c in tokens)
+    events = parse_sse(last.decode())
+    assert events.done and len(events.events) == 2
+    assert events.events[0]["choices"][0]["finish_reason"] == "length"
+    assert events.events[1]["usage"]["completion_tokens"] == 6
 
 
 def test_a_streaming_client_that_disconnects_aborts_its_request(default_server):
