@@ -195,7 +195,7 @@ class Metrics:
 
     def _flush_gaps(self) -> None:
         """One add per bucket touched and one to the sum, where observe() per gap
-        writes the multiprocess files twice a gap (~1.75 us: ~3 % of an API server's
+        writes the multiprocess files twice a gap (1.1 us here: ~2-3 % of an API server's
         CPU on a streamed token). prometheus_client has no bulk observe; this adds
         to the labelled histogram's own values (_sum, _buckets, _upper_bounds: the
         same in every release since 0.0.x), counting a gap in the first bucket whose
