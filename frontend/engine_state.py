@@ -45,9 +45,6 @@ class Wakeup:
         self._waiter: asyncio.Future | None = None
         self._set = False
 
-    def is_set(self) -> bool:
-        return self._set
-
     def set(self) -> None:
         self._set = True
         waiter = self._waiter
