@@ -3,6 +3,7 @@ the error-body check and small readers of /server_info and /metrics."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -132,3 +133,19 @@ def metric_samples(text: str) -> dict[str, float]:
         if "{" in key:
             samples[name] = samples.get(name, 0.0) + float(value)
     return samples
+
+
+def raw_exchange(server: ZServe, data: bytes, wait_s: float = 5.0) -> bytes:
+    """Send raw bytes, return everything the server answers until it closes."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=wait_s) as s:
+        s.sendall(data)
+        chunks = []
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    return b"".join(chunks)

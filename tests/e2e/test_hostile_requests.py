@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e_http import MODEL, SERVED_NAMES, SMALL_KV, assert_error, wait_for
+from e2e_http import MODEL, SERVED_NAMES, SMALL_KV, assert_error, raw_exchange, wait_for
 from zserve_proc import ZServe
 
 pytestmark = pytest.mark.timeout(180)
@@ -123,22 +123,6 @@ def health_watch(server: ZServe, quantile: float = 0.95):
     # Before the fix /health hung for the whole attack (66-117 s for a 50 MiB prompt).
     assert latencies[int(len(latencies) * quantile)] < 0.1, latencies[-10:]
     assert latencies[-1] < 1.0, latencies[-10:]
-
-
-def raw_exchange(server: ZServe, data: bytes, wait_s: float = 5.0) -> bytes:
-    """Send raw bytes, return everything the server answers until it closes."""
-    with socket.create_connection(("127.0.0.1", server.port), timeout=wait_s) as s:
-        s.sendall(data)
-        chunks = []
-        while True:
-            try:
-                chunk = s.recv(65536)
-            except TimeoutError:
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-    return b"".join(chunks)
 
 
 # --- item 1: one big prompt -------------------------------------------------------------

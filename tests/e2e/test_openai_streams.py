@@ -6,14 +6,21 @@ test_openai_transport.py."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import httpx
 import openai
 import orjson
 import pytest
-from e2e_http import MODEL, async_client, engine_stats, parse_sse, post_stream, wait_for
+from e2e_http import (
+    MODEL,
+    async_client,
+    engine_stats,
+    parse_sse,
+    post_stream,
+    raw_exchange,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -49,19 +56,15 @@ def test_sse_framing(http, path, body):
     assert all("usage" not in e for e in sse.events)
 
 
-def http_chunks(port: int, path: str, body: dict) -> list[bytes]:
+def http_chunks(server, path: str, body: dict) -> list[bytes]:
     """The response body's HTTP/1.1 chunks as the server framed them (one per write)."""
     payload = orjson.dumps(body)
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-        data = b""
-        while not data.endswith(b"\r\n0\r\n\r\n"):
-            got = sock.recv(65536)
-            assert got, f"the connection closed before the body ended: {data[-200:]!r}"
-            data += got
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head += f"Connection: close\r\nContent-Length: {len(payload)}\r\n\r\n"
+    data = raw_exchange(server, head.encode() + payload, wait_s=60)
     headers, rest = data.split(b"\r\n\r\n", 1)
     assert b"transfer-encoding: chunked" in headers.lower()
+    assert rest.endswith(b"\r\n0\r\n\r\n"), f"the body did not end: {rest[-200:]!r}"
     chunks = []
     while True:
         size, rest = rest.split(b"\r\n", 1)
@@ -77,7 +80,7 @@ def test_a_stream_ends_with_its_last_chunk_usage_and_done_in_one_write(default_s
     one event of one token."""
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 6, "ignore_eos": True}
     body |= {"stream": True, "stream_options": {"include_usage": True}}
-    chunks = http_chunks(default_server.port, "/v1/completions", body)
+    chunks = http_chunks(default_server, "/v1/completions", body)
     *tokens, last = chunks
     assert len(tokens) == 5 and all(c.count(b"data: ") == 1 for c in tokens)
     events = parse_sse(last.decode())
