@@ -11,7 +11,6 @@ first `stop` string.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import secrets
 from dataclasses import dataclass
@@ -170,32 +169,13 @@ class BeamGeneration(Generation):
         if ids:
             self.client.abort(ids)
 
-    async def deltas(self, keep_alive_s: float | None = None, stream_interval: int = 1):
-        """Every choice of a prompt at once, with its whole text, when its search ends;
-        an empty list each `keep_alive_s` without one."""
-        pending = list(self.searches)
-        while pending:
-            batch: list[ChoiceDelta] = []
-            for search in pending:
-                stream = search.stream
-                if stream.error is not None and not stream.items:
-                    if isinstance(stream.error, APIError):
-                        raise stream.error
-                    raise APIError(str(stream.error), 500)
-                if stream.items:
-                    batch.extend(self._answer(search, stream.items[0]))
-            if batch:
-                pending = [s for s in pending if not s.choices[0].finished]
-                yield batch
-                continue
-            self.event.clear()
-            if keep_alive_s:
-                try:
-                    await asyncio.wait_for(self.event.wait(), keep_alive_s)
-                except asyncio.TimeoutError:  # not the builtin one before Python 3.11
-                    yield []
-            else:
-                await self.event.wait()
+    def _open(self) -> list[_Search]:
+        """The searches still running: deltas() gives every choice of a prompt at once,
+        with its whole text, when its search ends."""
+        return [s for s in self.searches if not s.choices[0].finished]
+
+    def _collect(self, search: _Search, batch: list[ChoiceDelta]) -> None:
+        batch.extend(self._answer(search, search.stream.items[0]))
 
     def _answer(self, search: _Search, out: EngineCoreOutput) -> list[ChoiceDelta]:
         if out.finish_reason is FinishReason.REFUSED:

@@ -202,23 +202,19 @@ class Generation:
         """Yield lists of ChoiceDelta as outputs arrive, one delta per engine output;
         an empty list means `keep_alive_s` passed without output. Raises APIError on
         an engine error."""
-        pending = [c for c in self.choices if not c.finished]
+        pending = self._open()
         while pending:
             batch: list[ChoiceDelta] = []
-            for choice in pending:
-                stream = choice.stream
+            for unit in pending:
+                stream = unit.stream
                 if stream.error is not None and not stream.items:
                     if isinstance(stream.error, APIError):
                         raise stream.error
                     raise APIError(str(stream.error), 500)
                 if stream.items:
-                    items, stream.items = stream.items, []
-                    for out in items:
-                        batch.append(self._apply(choice, out))
-                        if choice.finished:
-                            break
+                    self._collect(unit, batch)
             if batch:
-                pending = [c for c in pending if not c.finished]
+                pending = self._open()
                 yield merge_deltas(batch, stream_interval) if stream_interval > 1 else batch
                 continue
             self.event.clear()
@@ -229,6 +225,20 @@ class Generation:
                     yield []
             else:
                 await self.event.wait()
+
+    def _open(self) -> list:
+        """What deltas() waits on: the unfinished choices (BeamGeneration: searches)."""
+        return [c for c in self.choices if not c.finished]
+
+    def _collect(self, choice: Choice, batch: list[ChoiceDelta]) -> None:
+        """Hot path: a choice's waiting outputs as deltas onto `batch`, none past its
+        finish (BeamGeneration: a search's answer, all its choices at once)."""
+        stream = choice.stream
+        items, stream.items = stream.items, []
+        for out in items:
+            batch.append(self._apply(choice, out))
+            if choice.finished:
+                break
 
     async def drain(self) -> None:
         """Run to the end without streaming (a non-streaming response)."""
