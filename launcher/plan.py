@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from engine_core.config import EngineConfig, cpu_thread_count
 from frontend.chat_tools import load_chat_parsers
 from frontend.config import FrontendConfig
-from frontend.limits import RequestLimits
+from launcher.limit_args import request_limits
 from launcher.lora_flags import lora_config, refuse_lora, runtime_lora_updating
 from launcher.models import ModelNotFoundError, resolve_model
 from launcher.ray_placement import RayPlan
@@ -298,24 +298,6 @@ def profiler_routes_enabled(args: argparse.Namespace) -> bool:
         args.profiler_config.torch_profiler_dir,
     )
     return True
-
-
-def request_limits(args: argparse.Namespace) -> RequestLimits:
-    return RequestLimits(
-        max_body_bytes=args.max_request_body_bytes,
-        max_header_bytes=args.max_header_bytes,
-        max_header_count=args.max_header_count,
-        header_timeout_s=args.header_read_timeout,
-        body_timeout_s=args.body_read_timeout,
-        max_prompt_chars=args.max_prompt_chars,
-        max_prompts=args.max_prompts_per_request,
-        max_sequences=args.max_sequences_per_request,
-        max_stop_strings=args.max_stop_strings,
-        max_stop_chars=args.max_stop_string_length,
-        max_request_id_chars=args.max_request_id_length,
-        max_messages=args.max_chat_messages,
-        max_concurrent_streams=args.max_concurrent_streams,
-    )
 
 
 def _chat_template(flag: str | None) -> str | None:
