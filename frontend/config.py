@@ -50,7 +50,6 @@ class FrontendConfig:
     ssl_certfile: str | None = None
     sse_keep_alive_interval: float = 0.0
     stream_interval: int = 1
-    batched_writes: bool = True  # one io_uring send a loop turn (write_batch.py)
     max_num_queued_reqs: int | None = None
     max_num_queued_tokens: int | None = None
     metrics_prefix: str = "zserve"

@@ -19,23 +19,17 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from frontend.errors import APIError, error_response
 from frontend.limits import RequestLimits
-from frontend.write_batch import batched
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
-def guarded_protocol(
-    limits: RequestLimits, batched_writes: bool = False
-) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with these limits (uvicorn builds one per connection),
-    its writes batched per loop turn where asked (write_batch.py)."""
+def guarded_protocol(limits: RequestLimits) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with these limits (uvicorn builds one per connection)."""
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         _limits = limits
 
         def connection_made(self, transport) -> None:
-            if batched_writes:
-                transport = batched(transport, self.loop)
             super().connection_made(transport)
             self._timer: asyncio.TimerHandle | None = None
             self._expect_headers()

@@ -45,7 +45,7 @@ class APIServer(APIProcess):
         config = uvicorn.Config(
             build_app(self.ctx),
             loop="none",
-            http=guarded_protocol(fc.limits, fc.batched_writes),
+            http=guarded_protocol(fc.limits),
             lifespan="off",
             log_level=fc.uvicorn_log_level,
             access_log=False,

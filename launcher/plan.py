@@ -248,7 +248,6 @@ def frontend_config(
         ssl_certfile=args.ssl_certfile,
         sse_keep_alive_interval=args.sse_keep_alive_interval,
         stream_interval=args.stream_interval,
-        batched_writes=args.batched_writes,
         max_num_queued_reqs=args.max_num_queued_reqs,
         max_num_queued_tokens=args.max_num_queued_tokens,
         metrics_prefix=args.metrics_prefix,

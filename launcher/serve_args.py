@@ -245,14 +245,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="module.path.Name of an ASGI middleware class or HTTP middleware "
         "function (repeatable)",
     )
-    g.add_argument(
-        "--batched-writes",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="send the chunks an API server writes in one loop turn (one engine step's, "
-        "across all its streams) in one io_uring system call, so each client wakes once "
-        "for them; off, or without io_uring or with TLS, each chunk is its own send",
-    )
     g.add_argument("--ssl-keyfile", default=None)
     g.add_argument("--ssl-certfile", default=None)
     g.add_argument(

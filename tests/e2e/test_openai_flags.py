@@ -73,7 +73,6 @@ def server(flags_model, tmp_path_factory):
         "--disable-log-requests",
         "--disable-log-stats",
         "--enable-dev-routes",
-        "--no-batched-writes",  # every chunk its own send: the other write path
     ) as s:  # fmt: skip
         s.started_at = time.monotonic()
         yield s

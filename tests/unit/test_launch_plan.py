@@ -86,11 +86,6 @@ def test_request_lines_are_off_unless_enabled_and_not_disabled():
     assert both.frontend.enable_log_requests is False
 
 
-def test_batched_writes_are_on_unless_turned_off():
-    assert planned().frontend.batched_writes is True
-    assert planned("--no-batched-writes").frontend.batched_writes is False
-
-
 def test_limit_flags_reach_the_request_limits():
     limits = planned("--max-request-body-bytes", "1MiB", "--max-chat-messages", "7").frontend
     assert (limits.limits.max_body_bytes, limits.limits.max_messages) == (1 << 20, 7)
