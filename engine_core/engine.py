@@ -97,6 +97,9 @@ class EngineCore:
         )
         self.num_aborted = 0
         self.num_steps = 0
+        # Turns that ran nothing while requests waited for a grammar or a LoRA adapter:
+        # progress all the same, for the API servers' hang detection.
+        self.num_waits = 0
         self.prompt_tokens_computed = 0
         self.generation_tokens = 0
         self.step_time_s = 0.0
@@ -228,10 +231,13 @@ class EngineCore:
                 refused.setdefault(client_index, []).extend(errors)
         if not self.scheduler.has_unfinished():
             self.grammars.wait()  # nothing to run: don't spin while grammars compile
+            self.num_waits += 1
             return self._wait_for_loras(refused)
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.requests:
+            if self.grammars.parked or (self.loras is not None and self.loras.loading):
+                self.num_waits += 1
             return self._wait_for_loras(refused)
         logits = self.runner.execute(plan)
         num_sampling = len(plan.sampling)
@@ -393,6 +399,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_aborted=self.num_aborted,
             num_steps=self.num_steps,
+            num_waits=self.num_waits,
             prompt_tokens_computed=self.prompt_tokens_computed,
             generation_tokens=self.generation_tokens,
             step_time_s=self.step_time_s,

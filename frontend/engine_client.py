@@ -311,7 +311,8 @@ class EngineClient:
             engine.last_seen = now
             stats = outs.scheduler_stats
             if stats is not None:
-                if stats.num_steps != engine.stats.num_steps:
+                prev = engine.stats
+                if stats.num_steps != prev.num_steps or stats.num_waits != prev.num_waits:
                     engine.steps_changed_at = now
                 engine.stats = stats
             for out in outs.outputs:

@@ -29,7 +29,8 @@ class EngineState:
     alive: bool = True
     dead_reason: str = ""
     last_seen: float = 0.0
-    steps_changed_at: float = 0.0  # when stats.num_steps last moved (hang detection)
+    # When stats.num_steps or num_waits last moved (hang detection).
+    steps_changed_at: float = 0.0
 
 
 class Wakeup:

@@ -279,6 +279,10 @@ class SchedulerStats(_Wire):
     # Paused (POST /pause; requests still come in and queue): "" not paused, else
     # protocol/controls.py's HOLD_NEW (no waiting request starts) or HOLD_ALL (nothing steps).
     generation_hold: str = ""
+    # Loop turns that ran no step while requests waited for their grammar's compile or
+    # their LoRA adapter's load: with num_steps, what the hang detection takes as
+    # progress (such a wait can outlast --engine-heartbeat-timeout and is no hang).
+    num_waits: int = 0
 
 
 def others_requests(by_client: list[int], client_index: int) -> int:

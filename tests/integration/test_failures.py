@@ -170,6 +170,40 @@ def test_a_paused_engine_holding_requests_is_not_taken_for_a_hung_one(tiny_model
         assert "hung" not in server.log()
 
 
+def test_a_request_waiting_for_its_grammar_is_not_taken_for_a_hung_engine(tiny_model):
+    """A constraint that compiles for longer than --engine-heartbeat-timeout: the engine
+    waits for it without stepping, and that is not a hang (it killed the server once)."""
+    server = ZServe(
+        str(tiny_model("llama")), "--served-model-name", MODEL, *SMALL_KV, *DEV,
+        "--engine-heartbeat-timeout", "2",
+        "--structured-outputs-config", "compile_timeout_s=4,max_spec_bytes=1000000",
+    )  # fmt: skip
+    # Optional properties multiply xgrammar's work: ~9 s to compile here, past the 4 s.
+    props = {f"p{i}": {"type": "integer"} for i in range(12000)}
+    schema = {"type": "object", "properties": props}
+    with server:
+        t0 = time.monotonic()
+        r = httpx.post(
+            server.base_url + "/v1/completions",
+            json={"model": MODEL, "prompt": "go", "max_tokens": 2,
+                  "response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "slow", "schema": schema}}},
+            timeout=60,
+        )  # fmt: skip
+        waited = time.monotonic() - t0
+        assert r.status_code == 400, r.text
+        assert "took longer than 4 s" in r.json()["error"]["message"]
+        assert waited > 3, waited  # parked past the heartbeat timeout
+        assert _health(server.base_url) == 200
+        plain = httpx.post(
+            server.base_url + "/v1/completions",
+            json={"model": MODEL, "prompt": "go", "max_tokens": 2},
+            timeout=30,
+        )
+        assert plain.status_code == 200, plain.text
+        assert "hung" not in server.log()
+
+
 def test_sigterm_drains_in_flight_requests_then_aborts_the_rest(small_model, long_context):
     # A context of 32,768 tokens (the 64 MiB cache holds it): 30,000 tokens take ~20 s
     # at the fastest decode step measured here, far past the 2 s drain.
