@@ -1,13 +1,13 @@
 """Structured outputs for one engine: constraints compiled off the engine thread, cached.
 
 The scheduler asks a GrammarTicket whether a request's grammar is ready without ever
-blocking: `submit()` answers at once, compiles run on a small thread pool (xgrammar
-releases the GIL while it compiles, so the busy loop keeps stepping), and a compile
-that takes longer than `compile_timeout_s` fails its request with a clear message.
-Python cannot stop a running thread, so an overdue compile keeps its worker until
-xgrammar returns; its result is still cached, and an identical constraint submitted
-meanwhile shares it instead of starting another. Queued compiles whose requests have
-all timed out are dropped without running.
+blocking: `submit()` answers at once, and compiles run on a small thread pool, each
+thread handing its constraint to its own child process (grammar_process.py), so the
+busy loop keeps stepping. A compile that takes longer than `compile_timeout_s` fails
+its request with a clear message, and its child is killed then: an overdue compile
+holds no thread and no core past its deadline. An identical constraint submitted
+while one compiles shares it instead of starting another (and extends its deadline).
+Queued compiles whose requests have all timed out are dropped without running.
 
 Compiled grammars are cached by the constraint's key (bounded LRU); a request gets
 its own matcher (RequestGrammar) over the shared compiled grammar.
@@ -26,8 +26,9 @@ from pathlib import Path
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerFast
 
-from engine_core.grammar_compiler import GrammarError, compile_constraint
+from engine_core.grammar_compiler import GrammarError
 from engine_core.grammar_matcher import RequestGrammar
+from engine_core.grammar_process import CompileProcess, CompileTimeout
 from protocol.messages import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -130,14 +131,14 @@ class GrammarService:
         self.compile_timeout_s = compile_timeout_s
         self.cache_size = cache_size
         self.tokenizer_info = tokenizer_info(model_dir, vocab_size, sorted(eos_token_ids))
-        # xgrammar's own cache is off: ours is keyed by the whole constraint and bounded.
-        self._compiler = xgr.GrammarCompiler(
-            self.tokenizer_info, max_threads=max_threads, cache_enabled=False
-        )
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_threads, thread_name_prefix="grammar-compile"
         )
-        self._lock = threading.Lock()  # guards the cache and the in-flight table
+        self._lock = threading.Lock()  # guards the cache, the in-flight table, the children
+        self._local = threading.local()  # each pool thread's CompileProcess
+        self._children: list[CompileProcess] = []
+        for _ in range(max_threads):  # start the children now, off the first compiles' clock
+            self._pool.submit(lambda: self._child().start())
         self._cache: OrderedDict[bytes, xgr.CompiledGrammar] = OrderedDict()
         self._in_flight: dict[bytes, _Compile] = {}
         self.num_compiled = 0
@@ -191,8 +192,22 @@ class GrammarService:
         )
 
     def close(self) -> None:
-        """Drop queued compiles; a running one finishes in the background."""
+        """Drop queued compiles and stop the children (a running compile is lost)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            children, self._children = self._children, []
+        for child in children:
+            child.close()
+
+    def _child(self) -> CompileProcess:
+        """This pool thread's child process (xgrammar's own cache is off there: ours is
+        keyed by the whole constraint and bounded)."""
+        child = getattr(self._local, "child", None)
+        if child is None:
+            child = self._local.child = CompileProcess(self.tokenizer_info)
+            with self._lock:
+                self._children.append(child)
+        return child
 
     def _check_size(self, spec: StructuredOutputs, field: str) -> None:
         texts = [spec.json, spec.regex, spec.grammar, spec.structural_tag, *(spec.choice or ())]
@@ -216,10 +231,19 @@ class GrammarService:
             if time.monotonic() >= job.deadline:
                 raise GrammarError(f"{spec.field}: dropped, its requests timed out in the queue")
             start = time.perf_counter()
-            compiled = compile_constraint(self._compiler, self.tokenizer_info, spec)
+            compiled = self._child().compile(spec, lambda: job.deadline)
             elapsed = time.perf_counter() - start
         except BaseException as e:
-            if not isinstance(e, GrammarError):
+            if isinstance(e, CompileTimeout):
+                logger.info(
+                    "stopped compiling a %s constraint after %.1f s (its requests' deadline)",
+                    spec.kind, time.perf_counter() - start,
+                )  # fmt: skip
+                e = GrammarError(
+                    f"{spec.field}: compiling the constraint took longer than "
+                    f"{self.compile_timeout_s:g} s; simplify it"
+                )
+            elif not isinstance(e, GrammarError):
                 logger.exception("compiling a %s constraint failed unexpectedly", spec.kind)
             with self._lock:
                 del self._in_flight[key]
