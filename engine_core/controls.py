@@ -270,7 +270,14 @@ class EngineControls:
             return {
                 CONFLICT: f"engine {self.rank} has no profiler (start it with --profiler-config)"
             }
-        result = self.profiler.start() if start else self.profiler.stop()
+        if start:
+            result = self.profiler.start()
+        else:
+            self.proc.push_state(blocked_s=self.profiler.stop_allowance_s())
+            try:
+                result = self.profiler.stop()
+            finally:
+                self.proc.push_state()
         result["rank"] = self.rank
         return result
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,8 @@ def run_output_thread(proc: EngineCoreProc) -> None:
                 sock.send(data, copy=False)
         elif message is LOAD:
             _send_load_updates(proc)
+        elif isinstance(message, threading.Event):  # what was queued before it is sent
+            message.set()
         elif message is DEAD:
             for sock in proc.outputs:
                 sock.send_multipart([ENGINE_CORE_DEAD, rank_identity(proc.rank)])

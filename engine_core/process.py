@@ -49,6 +49,7 @@ from protocol.messages import (
 log = logging.getLogger("zserve.engine")
 
 RELEASE_MEMORY_S = 2.0  # at most this often, and only once idle
+SEND_WAIT_S = 5.0  # push_state(blocked_s): how long to wait for the output thread
 
 
 class _Shutdown(Exception):
@@ -250,11 +251,17 @@ class EngineCoreProc:
         stats.generation_hold = self.engine.scheduler.hold or ""
         return stats
 
-    def push_state(self) -> None:
+    def push_state(self, blocked_s: float = 0.0) -> None:
         """Every API server hears this engine's state now (a sleep or wake-up), not at
-        the next heartbeat."""
+        the next heartbeat. With `blocked_s`, the busy loop is about to block for at most
+        that long: this returns once the state has been sent, before the block starts."""
         self.stats = self._make_stats()
+        self.stats.blocked_s = blocked_s
         self.output_queue.put((-1, HEARTBEAT))
+        if blocked_s:
+            sent = threading.Event()
+            self.output_queue.put((-1, sent))
+            sent.wait(SEND_WAIT_S)
 
     def end_all_requests(self, message: str) -> int:
         """End every request of this engine with an UNAVAILABLE error (a 503)."""

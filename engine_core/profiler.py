@@ -17,6 +17,12 @@ from protocol.controls import CONFLICT
 log = logging.getLogger("zserve.engine")
 
 
+# The longest stop() is allowed before the API servers take the engine for dead: 60 s a
+# second profiled, at least 5 minutes (stopping and writing took 13x the profile here).
+STOP_PER_PROFILED_S = 60.0
+STOP_FLOOR_S = 300.0
+
+
 class EngineProfiler:
     """Runs on the busy loop's thread, the thread every step's ops run on."""
 
@@ -46,6 +52,14 @@ class EngineProfiler:
         self.running, self.started_at = running, time.time()
         log.info("engine %d: profiler started", self.rank)
         return {"profiling": True}
+
+    def stop_allowance_s(self) -> float:
+        """How long stop() may take: torch processes the trace holding the GIL, here 82 s
+        to stop and 173 s to write 20 s of steps under load (with stacks), so the
+        allowance grows with the profile's length."""
+        if self.running is None:
+            return 0.0
+        return max(STOP_FLOOR_S, STOP_PER_PROFILED_S * (time.time() - self.started_at))
 
     def stop(self) -> dict:
         """Stop and write the trace; answers its path."""

@@ -314,6 +314,7 @@ class EngineClient:
                 prev = engine.stats
                 if stats.num_steps != prev.num_steps or stats.num_waits != prev.num_waits:
                     engine.steps_changed_at = now
+                engine.blocked_until = now + stats.blocked_s if stats.blocked_s else 0.0
                 engine.stats = stats
             for out in outs.outputs:
                 stream = requests.get(out.request_id)
@@ -364,6 +365,9 @@ class EngineClient:
                     continue
                 engine.last_seen += lag
                 engine.steps_changed_at += lag
+                if now < engine.blocked_until:  # it said it would block this long
+                    engine.last_seen = engine.steps_changed_at = now
+                    continue
                 silent = now - engine.last_seen
                 s = engine.stats
                 # Asleep, an engine keeps its requests (mode keep) and does not step;

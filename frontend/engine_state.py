@@ -31,6 +31,9 @@ class EngineState:
     last_seen: float = 0.0
     # When stats.num_steps or num_waits last moved (hang detection).
     steps_changed_at: float = 0.0
+    # Until when the engine said it blocks on purpose (stats.blocked_s): no death by
+    # silence or lack of steps before then.
+    blocked_until: float = 0.0
 
 
 class Wakeup:

@@ -283,6 +283,10 @@ class SchedulerStats(_Wire):
     # their LoRA adapter's load: with num_steps, what the hang detection takes as
     # progress (such a wait can outlast --engine-heartbeat-timeout and is no hang).
     num_waits: int = 0
+    # The busy loop is about to block for at most this long in a known operation
+    # (stopping torch's profiler, which holds the GIL while it processes the trace): the
+    # API servers take neither its silence nor its lack of steps for death meanwhile.
+    blocked_s: float = 0.0
 
 
 def others_requests(by_client: list[int], client_index: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -202,6 +203,38 @@ def test_a_request_waiting_for_its_grammar_is_not_taken_for_a_hung_engine(tiny_m
         )
         assert plain.status_code == 200, plain.text
         assert "hung" not in server.log()
+
+
+def test_stopping_a_long_profile_is_not_taken_for_a_dead_engine(tiny_model, long_context, tmp_path):
+    """Stopping torch's profiler holds the GIL for as long as it takes to process the
+    trace (minutes for 20 s of steps), so the engine sends nothing meanwhile: it says so
+    first, and the API servers wait for it instead of failing the server."""
+    config = {"profiler": "torch", "torch_profiler_dir": str(tmp_path)}
+    model = long_context(tiny_model("llama"), 32768)  # a stream that outlasts the test
+    server = ZServe(
+        str(model), "--served-model-name", MODEL, *SMALL_KV, *DEV,
+        "--engine-heartbeat-timeout", "2", "--profiler-config", json.dumps(config),
+    )  # fmt: skip
+    with server:
+        reader = StreamReader(server.base_url, max_tokens=30000)
+        reader.start()
+        assert reader.started.wait(30)
+        assert httpx.post(server.base_url + "/start_profile", timeout=30).status_code == 200
+        time.sleep(1)  # a thousand steps, each with its stacks: ~10-40 s to stop here
+        t0 = time.monotonic()
+        r = httpx.post(server.base_url + "/stop_profile", timeout=170)
+        took = time.monotonic() - t0
+        print(f"stopping the profiler took {took:.1f} s")
+        assert r.status_code == 200, r.text
+        assert Path(r.json()["engines"][0]["trace"]).is_file()
+        assert took > 2  # longer than the heartbeat timeout, or the test shows nothing
+        assert _health(server.base_url) == 200
+        streamed = len(reader.lines)
+        time.sleep(1)
+        assert len(reader.lines) > streamed  # the stream goes on after the stop
+        assert '"error"' not in "".join(reader.lines)
+        log = server.log()
+        assert "engine-heartbeat-timeout" not in log and "dead" not in log
 
 
 def test_sigterm_drains_in_flight_requests_then_aborts_the_rest(small_model, long_context):
