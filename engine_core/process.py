@@ -252,9 +252,8 @@ class EngineCoreProc:
         return stats
 
     def push_state(self, blocked_s: float = 0.0) -> None:
-        """Every API server hears this engine's state now (a sleep or wake-up), not at
-        the next heartbeat. With `blocked_s`, the busy loop is about to block for at most
-        that long: this returns once the state has been sent, before the block starts."""
+        """Every API server hears this engine's state now, not at the next heartbeat; with
+        `blocked_s` (the loop is about to block that long), once it has been sent."""
         self.stats = self._make_stats()
         self.stats.blocked_s = blocked_s
         self.output_queue.put((-1, HEARTBEAT))
