@@ -22,7 +22,6 @@ b"+" and the compiled grammar's JSON, or b"-" and the client's error message.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import select
@@ -39,10 +38,10 @@ import xgrammar as xgr
 
 from engine_core.grammar_compiler import GrammarError, compile_constraint
 from protocol.messages import StructuredOutputs
+from protocol.process_life import die_with_parent, name_process
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _POLL_S = 0.25  # how often a wait looks again at a deadline that may have moved
 _LEN = struct.Struct("<I")
 _ROOT = str(Path(__file__).resolve().parent.parent)  # where engine_core and protocol live
@@ -169,10 +168,8 @@ def _read_exactly(pipe, size: int) -> bytes | None:
 
 def _child_main(parent_pid: int) -> None:
     """Compile what comes on stdin, answer on stdout, until stdin closes."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        return
+    die_with_parent(parent_pid)
+    name_process("zserve-grammar")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the engine decides
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # whatever else prints must not corrupt the frames

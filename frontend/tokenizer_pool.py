@@ -188,7 +188,7 @@ class _Worker:
 
 def _worker_main(tokenizer_json: str, conn: Connection, parent_pid: int) -> None:
     """The worker: bytes in, bytes out, until its pipe closes."""
-    from frontend.worker_process import die_with_parent, name_process
+    from protocol.process_life import die_with_parent, name_process
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when we stop
     die_with_parent(parent_pid)

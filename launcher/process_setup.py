@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 import os
 import resource
-import signal
 
 from launcher.logs import setup_logging
+from protocol.process_life import die_with_parent, name_process
 
 log = logging.getLogger("zserve.supervisor")
 
@@ -26,33 +26,6 @@ def set_up_child(role: str, log_level: str, parent_pid: int | None, cpus: list[i
     die_with_parent(parent_pid)
     name_process(f"zserve-{role}")
     pin_to_cpus(cpus)
-
-
-def die_with_parent(parent_pid: int | None) -> None:
-    """Ask the kernel to SIGTERM this process when its parent dies, even by SIGKILL,
-    so no child outlives its supervisor."""
-    if parent_pid is None:
-        return
-    try:
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-def name_process(name: str) -> None:
-    """Show `name` (e.g. "zserve-engine0") in ps/top instead of "python3"."""
-    try:
-        import ctypes
-
-        PR_SET_NAME = 15
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def pin_to_cpus(cpus: list[int] | None) -> None:

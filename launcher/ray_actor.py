@@ -20,7 +20,7 @@ import ray
 
 from engine_core.omp_env import set_up_engine_threads
 from launcher.logs import setup_logging
-from launcher.process_setup import name_process
+from protocol.process_life import name_process
 
 if TYPE_CHECKING:
     from engine_core.config import EngineProcConfig

@@ -7,8 +7,8 @@ import logging
 
 from launcher.logs import setup_logging
 from launcher.plan import LaunchRefused, plan_launch
-from launcher.process_setup import name_process
 from launcher.supervisor import Supervisor
+from protocol.process_life import name_process
 
 log = logging.getLogger("zserve.supervisor")
 
