@@ -67,7 +67,7 @@ class LoraManager:
         self.loaded: OrderedDict[LoraSpec, None] = OrderedDict()  # LRU order, oldest first
         self.num_active = 0
         self.version = 0  # bumped by each change of the registry
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: queue.Queue = queue.Queue()  # the engine waits on it: see process.py
         self._loads = 0  # submitted, not yet taken in
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
 

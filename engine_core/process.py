@@ -45,6 +45,7 @@ from protocol.messages import (
     UtilityResult,
     error_output,
 )
+from protocol.process_life import on_signals_in_a_thread
 
 log = logging.getLogger("zserve.engine")
 
@@ -68,7 +69,8 @@ class EngineCoreProc:
         self.ctx = zmq.Context(io_threads=1)
         self.inputs: list[zmq.Socket] = []
         self.outputs: list[zmq.Socket] = []
-        self.input_queue: queue.SimpleQueue = queue.SimpleQueue()
+        # Not a SimpleQueue: before 3.13 its get(timeout) can hang for good on a signal.
+        self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.SimpleQueue = queue.SimpleQueue()
         self.stop = threading.Event()
         self.engine = None
@@ -432,19 +434,16 @@ class EngineCoreProc:
                 log.warning("engine %d: %s still running at exit", self.rank, ", ".join(stuck))
             self.ctx.destroy(linger=500)
 
-    def request_shutdown(self) -> None:
-        self.stop.set()
-
 
 def run_engine_core(cfg: EngineProcConfig) -> int:
     """Process entry point of one engine core (spawned by the supervisor or headless),
     once the launcher has set the process up (launcher/child_main.py)."""
     proc = EngineCoreProc(cfg)
 
-    def on_signal(signum, frame):
-        log.info("engine %d: %s, shutting down", cfg.rank, signal.Signals(signum).name)
-        proc.request_shutdown()
+    def on_signal(signum: int) -> None:
+        if not proc.stop.is_set():
+            log.info("engine %d: %s, shutting down", cfg.rank, signal.Signals(signum).name)
+        proc.stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    on_signals_in_a_thread((signal.SIGTERM, signal.SIGINT), on_signal)
     return proc.run()

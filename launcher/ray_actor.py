@@ -44,4 +44,4 @@ class EngineActor:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.request_shutdown()
+            self.proc.stop.set()

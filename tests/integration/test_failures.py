@@ -295,6 +295,54 @@ def test_sigkill_of_the_supervisor_leaves_no_orphans(tiny_model):
         assert port_is_free(server.port)
 
 
+def test_a_burst_of_sigterms_ends_an_idle_engine_every_time(tiny_model):
+    # The kernel sends a child of a killed supervisor more than one SIGTERM (one per
+    # exiting thread of the parent; CI stop 34 saw two). A handler that set an Event could
+    # run inside itself and wait forever on the Event's lock, and on Python < 3.13 a
+    # signal near the end of SimpleQueue.get(timeout) left the idle engine blocked there
+    # for good: before the fix, about half the engines a 1.5 s burst hit stayed up.
+    # --engine-restart-policy brings the rank back, for four tries in one server.
+    server = ZServe(
+        str(tiny_model("llama")),
+        "--served-model-name",
+        MODEL,
+        *SMALL_KV,
+        "--engine-restart-policy",
+        "on-failure",
+    )
+
+    def gone(pid: int) -> bool:
+        described = _describe(pid)
+        return described.endswith("(gone)") or " state Z " in described
+
+    def engine_pid() -> int | None:
+        return next((p for p in server.pids() if "zserve-engine0" in _describe(p)), None)
+
+    with server:
+        engine = None
+        for attempt in range(4):
+            _wait_for(
+                lambda last=engine: (
+                    engine_pid() not in (None, last) and _health(server.base_url) == 200
+                ),
+                timeout=60,
+                interval=0.1,
+            )
+            engine = engine_pid()
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 1.5:
+                try:
+                    os.kill(engine, signal.SIGTERM)
+                except ProcessLookupError:
+                    break
+            try:
+                _wait_for(lambda pid=engine: gone(pid), timeout=20, interval=0.1)
+            except AssertionError:
+                raise AssertionError(
+                    f"try {attempt}: still running: {_describe(engine)}\n{server.log()[-2000:]}"
+                ) from None
+
+
 def test_admission_limits_hold_for_the_whole_server(small_model, long_context):
     # Three streams of 8,000 tokens (~23 s here; the 64 MiB cache holds 32k tokens) hold
     # the three queue places for as long as the tries below take.
