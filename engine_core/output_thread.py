@@ -9,6 +9,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from protocol import codec
 from protocol.messages import ENGINE_CORE_DEAD, EngineCoreOutputs
 from protocol.sockets import rank_identity
@@ -34,8 +36,11 @@ def run_output_thread(proc: EngineCoreProc) -> None:
             return
         client_index, message = item
         if message is HEARTBEAT:
+            stats = proc.stats
+            if proc.ready is not None and proc.ready.device == "cpu":  # see SchedulerStats
+                stats = msgspec.structs.replace(stats, cpu_s=time.process_time())
             message = EngineCoreOutputs(
-                engine_index=proc.rank, scheduler_stats=proc.stats, timestamp=time.time()
+                engine_index=proc.rank, scheduler_stats=stats, timestamp=time.time()
             )
             data = codec.encode(message)
             for index, sock in enumerate(proc.outputs):

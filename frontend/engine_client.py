@@ -17,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 from frontend.engine_state import (
+    LONGEST_STEP_TIMEOUTS,
     ClientConfig,
     EngineAsleepError,
     EngineDeadError,
@@ -314,6 +315,8 @@ class EngineClient:
                 prev = engine.stats
                 if stats.num_steps != prev.num_steps or stats.num_waits != prev.num_waits:
                     engine.steps_changed_at = now
+                if stats.cpu_s:
+                    engine.heard_cpu(stats.cpu_s, now)
                 engine.blocked_until = now + stats.blocked_s if stats.blocked_s else 0.0
                 engine.stats = stats
             for out in outs.outputs:
@@ -365,6 +368,7 @@ class EngineClient:
                     continue
                 engine.last_seen += lag
                 engine.steps_changed_at += lag
+                engine.computing_at += lag
                 if now < engine.blocked_until:  # it said it would block this long
                     engine.last_seen = engine.steps_changed_at = now
                     continue
@@ -386,11 +390,18 @@ class EngineClient:
                         f"no message for {silent:.1f} s (--engine-heartbeat-timeout {timeout:g})",
                     )
                 elif busy and now - engine.steps_changed_at > timeout:
-                    self.mark_dead(
-                        engine,
-                        f"hung: no engine step for {now - engine.steps_changed_at:.1f} s while it "
-                        f"has work (--engine-heartbeat-timeout {timeout:g})",
-                    )
+                    self._check_step(engine, now, timeout)
+
+    def _check_step(self, engine: EngineState, now: float, timeout: float) -> None:
+        """No step for `timeout` while it has work: hung, unless its CPU time says it
+        is in a long step, and that for at most LONGEST_STEP_TIMEOUTS timeouts."""
+        stalled = f"hung: no engine step for {now - engine.steps_changed_at:.1f} s"
+        flag = f"--engine-heartbeat-timeout {timeout:g}"
+        if now - engine.computing_at > timeout:
+            self.mark_dead(engine, f"{stalled} while it has work ({flag})")
+        elif now - engine.steps_changed_at > LONGEST_STEP_TIMEOUTS * timeout:
+            longest = f"a step may take {LONGEST_STEP_TIMEOUTS} x {flag}"
+            self.mark_dead(engine, f"{stalled}, computing all along ({longest})")
 
     def mark_dead(self, engine: EngineState, reason: str) -> None:
         if not engine.alive:

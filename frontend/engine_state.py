@@ -34,6 +34,25 @@ class EngineState:
     # Until when the engine said it blocks on purpose (stats.blocked_s): no death by
     # silence or lack of steps before then.
     blocked_until: float = 0.0
+    # Its process's CPU seconds in the last heartbeat that had them (stats.cpu_s), when
+    # that came, and when they last rose by COMPUTING_SHARE of a core or more: the
+    # engine computes (a step longer than the timeout) rather than hangs.
+    cpu_s: float = 0.0
+    cpu_seen_at: float = 0.0
+    computing_at: float = 0.0
+
+    def heard_cpu(self, cpu_s: float, now: float) -> None:
+        if self.cpu_s and cpu_s - self.cpu_s >= COMPUTING_SHARE * (now - self.cpu_seen_at):
+            self.computing_at = now
+        self.cpu_s, self.cpu_seen_at = cpu_s, now
+
+
+# A hung engine's threads sleep (its heartbeat costs ~0.1 ms a second); one in a long
+# step keeps at least a core busy, or a quarter of one on a crowded box.
+COMPUTING_SHARE = 0.25
+# A step may compute this many --engine-heartbeat-timeouts before it counts as hung (a
+# loop that never ends computes too).
+LONGEST_STEP_TIMEOUTS = 10
 
 
 class Wakeup:

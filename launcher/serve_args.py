@@ -319,7 +319,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         default=30.0,
         help="an engine silent this long, or with work but not stepping this long, is "
-        "declared dead (the server then exits non-zero)",
+        "declared dead (the server then exits non-zero); an engine on the CPU whose CPU time "
+        "keeps rising is in a long step, not hung, for up to 10 times this",
     )
     g.add_argument(
         "--engine-keys",

@@ -287,6 +287,10 @@ class SchedulerStats(_Wire):
     # (stopping torch's profiler, which holds the GIL while it processes the trace): the
     # API servers take neither its silence nor its lack of steps for death meanwhile.
     blocked_s: float = 0.0
+    # In the heartbeats of an engine on the CPU: the CPU seconds its process has used.
+    # A step longer than --engine-heartbeat-timeout (a large model's long prompt chunk on
+    # a small box) keeps it rising; a hung engine does not.
+    cpu_s: float = 0.0
 
 
 def others_requests(by_client: list[int], client_index: int) -> int:

@@ -205,6 +205,46 @@ def test_a_request_waiting_for_its_grammar_is_not_taken_for_a_hung_engine(tiny_m
         assert "hung" not in server.log()
 
 
+def test_a_step_longer_than_the_heartbeat_timeout_is_not_taken_for_a_hang(
+    small_model, long_context
+):
+    # A large model's long prompt chunk on a small box can compute for longer than
+    # --engine-heartbeat-timeout in one step (a 7B model's 2,048 tokens are ~29 TFLOP).
+    # Here one thread runs a 16,000-token chunk of the small model, 6-9 s on the CI's
+    # machine kind, behind a 2 s timeout: the rising CPU time in the engine's heartbeats
+    # keeps it from being taken for hung, which failed the whole server before.
+    model = long_context(small_model, 16384)
+    server = ZServe(
+        str(model),
+        "--served-model-name",
+        MODEL,
+        "--kv-cache-memory-bytes",
+        "128MiB",
+        "--disable-log-requests",
+        "--cpu-threads",
+        "1",
+        "--max-num-batched-tokens",
+        "16384",
+        "--engine-heartbeat-timeout",
+        "2",
+        *DEV,
+    )
+    with server:
+        steps = _stats(server)["num_steps"]
+        t0 = time.monotonic()
+        r = httpx.post(
+            server.base_url + "/v1/completions",
+            json={"model": MODEL, "prompt": [5 + i % 4000 for i in range(16000)], "max_tokens": 2},
+            timeout=120,
+        )
+        took = time.monotonic() - t0
+        assert r.status_code == 200, f"{r.text}\n{server.log()[-2000:]}"
+        assert _stats(server)["num_steps"] == steps + 2  # the prompt in one step, one decode
+        assert took > 4.0, f"{took:.1f} s: too fast a machine to test this; lengthen the prompt"
+        assert _health(server.base_url) == 200
+        print(f"a {took:.1f} s prompt step behind a 2 s heartbeat timeout")
+
+
 def test_stopping_a_long_profile_is_not_taken_for_a_dead_engine(tiny_model, long_context, tmp_path):
     """Stopping torch's profiler holds the GIL for as long as it takes to process the
     trace (minutes for 20 s of steps), so the engine sends nothing meanwhile: it says so

@@ -22,6 +22,7 @@ from frontend.limits import (
     check_stop_strings,
 )
 from launcher.logs import setup_logging
+from protocol.messages import SchedulerStats
 
 LIMITS = RequestLimits()
 
@@ -77,6 +78,44 @@ def test_other_template_failures_answer_a_generic_message():
         error = template_error(exc)
         assert error.status == 400 and error.param == "messages"
         assert str(exc) not in error.message and type(exc).__name__ not in error.message
+
+
+def test_an_engine_that_computes_without_stepping_is_hung_only_after_ten_timeouts(tmp_path):
+    """No step for longer than the timeout while it has work: hung at once if its CPU
+    time stands still, not while it rises (a long step), and hung anyway after
+    LONGEST_STEP_TIMEOUTS timeouts (a loop that never ends computes too)."""
+
+    async def scenario(name: str, cpu_per_s: float, stalled_s: float) -> str:
+        client = EngineClient(
+            ClientConfig(
+                client_index=0,
+                num_engines=1,
+                input_address=f"ipc://{tmp_path}/in-{name}",
+                output_address=f"ipc://{tmp_path}/out-{name}",
+                heartbeat_timeout_s=1.0,
+            )
+        )
+        engine = client.engines[0]
+        engine.stats = SchedulerStats(num_running=1, num_steps=7)
+        now = time.monotonic()
+        engine.steps_changed_at = now - stalled_s
+        engine.heard_cpu(100.0, now - 0.5)  # the heartbeats' CPU seconds, half a second apart
+        engine.heard_cpu(100.0 + 0.5 * cpu_per_s, now)
+        engine.last_seen = now
+        watchdog = asyncio.ensure_future(client._watchdog())
+        try:
+            await asyncio.sleep(0.4)
+            return "alive" if engine.alive else engine.dead_reason
+        finally:
+            watchdog.cancel()
+            client.close()
+
+    assert asyncio.run(scenario("long-step", 1.0, 5.0)) == "alive"
+    assert asyncio.run(scenario("crowded", 0.3, 5.0)) == "alive"
+    idle = asyncio.run(scenario("idle", 0.01, 5.0))
+    assert idle.startswith("hung: no engine step for 5.") and "while it has work" in idle
+    endless = asyncio.run(scenario("endless", 1.0, 10.5))
+    assert "computing all along (a step may take 10 x --engine-heartbeat-timeout 1)" in endless
 
 
 def test_the_watchdog_does_not_count_its_own_loops_stall_as_engine_silence(tmp_path):
