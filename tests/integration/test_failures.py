@@ -90,6 +90,10 @@ def _health(base_url: str) -> int | None:
         return None
 
 
+def _tiny_server(tiny_model, *flags: str) -> ZServe:
+    return ZServe(str(tiny_model("llama")), "--served-model-name", MODEL, *SMALL_KV, *flags)
+
+
 def test_engine_death_ends_streams_with_an_error_turns_health_503_and_exits_non_zero(small_model):
     server = ZServe(str(small_model), "--served-model-name", MODEL, *SMALL_KV, *DEV)
     with server:
@@ -144,10 +148,9 @@ def test_a_hung_engine_is_detected_by_its_heartbeat(small_model):
 
 def test_a_paused_engine_holding_requests_is_not_taken_for_a_hung_one(tiny_model):
     """POST /pause: held requests are work the engine does not step, on purpose."""
-    server = ZServe(
-        str(tiny_model("llama")), "--served-model-name", MODEL, *SMALL_KV, *DEV,
-        "--max-num-seqs", "1", "--engine-heartbeat-timeout", "2",
-    )  # fmt: skip
+    server = _tiny_server(
+        tiny_model, *DEV, "--max-num-seqs", "1", "--engine-heartbeat-timeout", "2"
+    )
     with server:
         running = StreamReader(server.base_url, max_tokens=900)
         running.start()
@@ -174,9 +177,8 @@ def test_a_paused_engine_holding_requests_is_not_taken_for_a_hung_one(tiny_model
 def test_a_request_waiting_for_its_grammar_is_not_taken_for_a_hung_engine(tiny_model):
     """A constraint that compiles for longer than --engine-heartbeat-timeout: the engine
     waits for it without stepping, and that is not a hang (it killed the server once)."""
-    server = ZServe(
-        str(tiny_model("llama")), "--served-model-name", MODEL, *SMALL_KV, *DEV,
-        "--engine-heartbeat-timeout", "2",
+    server = _tiny_server(
+        tiny_model, *DEV, "--engine-heartbeat-timeout", "2",
         "--structured-outputs-config", "compile_timeout_s=4,max_spec_bytes=1000000",
     )  # fmt: skip
     # Optional properties multiply xgrammar's work: ~9 s to compile here, past the 4 s.
@@ -311,16 +313,7 @@ def test_sigterm_drains_in_flight_requests_then_aborts_the_rest(small_model, lon
 
 
 def test_sigkill_of_the_supervisor_leaves_no_orphans(tiny_model):
-    server = ZServe(
-        str(tiny_model("llama")),
-        "--served-model-name",
-        MODEL,
-        *SMALL_KV,
-        "--api-server-count",
-        "2",
-        "--data-parallel-size",
-        "2",
-    )
+    server = _tiny_server(tiny_model, "--api-server-count", "2", "--data-parallel-size", "2")
     with server:
         pids = server.pids()
         assert len(pids) >= 5
@@ -342,14 +335,7 @@ def test_a_burst_of_sigterms_ends_an_idle_engine_every_time(tiny_model):
     # signal near the end of SimpleQueue.get(timeout) left the idle engine blocked there
     # for good: before the fix, about half the engines a 1.5 s burst hit stayed up.
     # --engine-restart-policy brings the rank back, for four tries in one server.
-    server = ZServe(
-        str(tiny_model("llama")),
-        "--served-model-name",
-        MODEL,
-        *SMALL_KV,
-        "--engine-restart-policy",
-        "on-failure",
-    )
+    server = _tiny_server(tiny_model, "--engine-restart-policy", "on-failure")
 
     def gone(pid: int) -> bool:
         described = _describe(pid)

@@ -80,21 +80,27 @@ def test_other_template_failures_answer_a_generic_message():
         assert str(exc) not in error.message and type(exc).__name__ not in error.message
 
 
+def _one_engine_client(tmp_path, name) -> EngineClient:
+    """An API server's engine client for one engine that never starts: its watchdog
+    judges whatever a test sets on the EngineState, with a 1 s heartbeat timeout."""
+    return EngineClient(
+        ClientConfig(
+            client_index=0,
+            num_engines=1,
+            input_address=f"ipc://{tmp_path}/in-{name}",
+            output_address=f"ipc://{tmp_path}/out-{name}",
+            heartbeat_timeout_s=1.0,
+        )
+    )
+
+
 def test_an_engine_that_computes_without_stepping_is_hung_only_after_ten_timeouts(tmp_path):
     """No step for longer than the timeout while it has work: hung at once if its CPU
     time stands still, not while it rises (a long step), and hung anyway after
     LONGEST_STEP_TIMEOUTS timeouts (a loop that never ends computes too)."""
 
     async def scenario(name: str, cpu_per_s: float, stalled_s: float) -> str:
-        client = EngineClient(
-            ClientConfig(
-                client_index=0,
-                num_engines=1,
-                input_address=f"ipc://{tmp_path}/in-{name}",
-                output_address=f"ipc://{tmp_path}/out-{name}",
-                heartbeat_timeout_s=1.0,
-            )
-        )
+        client = _one_engine_client(tmp_path, name)
         engine = client.engines[0]
         engine.stats = SchedulerStats(num_running=1, num_steps=7)
         now = time.monotonic()
@@ -124,15 +130,7 @@ def test_the_watchdog_does_not_count_its_own_loops_stall_as_engine_silence(tmp_p
     the same silence is (the control)."""
 
     async def scenario(stall: bool) -> bool:
-        client = EngineClient(
-            ClientConfig(
-                client_index=0,
-                num_engines=1,
-                input_address=f"ipc://{tmp_path}/in-{stall}",
-                output_address=f"ipc://{tmp_path}/out-{stall}",
-                heartbeat_timeout_s=1.0,
-            )
-        )
+        client = _one_engine_client(tmp_path, stall)
         engine = client.engines[0]
         engine.last_seen = engine.steps_changed_at = time.monotonic()
         watchdog = asyncio.ensure_future(client._watchdog())
