@@ -7,7 +7,10 @@ busy loop keeps stepping. A compile that takes longer than `compile_timeout_s` f
 its request with a clear message, and its child is killed then: an overdue compile
 holds no thread and no core past its deadline. An identical constraint submitted
 while one compiles shares it instead of starting another (and extends its deadline).
-Queued compiles whose requests have all timed out are dropped without running.
+Queued compiles whose requests have all timed out are dropped without running. A
+constraint that compiled for the whole timeout and was stopped is refused at once for
+TOO_SLOW_MEMORY_S after that: a client that sends it again (retries, a load test)
+costs the compiler and the requests queued behind it nothing.
 
 Compiled grammars are cached by the constraint's key (bounded LRU); a request gets
 its own matcher (RequestGrammar) over the shared compiled grammar.
@@ -32,6 +35,8 @@ from engine_core.grammar_process import CompileProcess, CompileTimeout
 from protocol.messages import StructuredOutputs
 
 logger = logging.getLogger(__name__)
+
+TOO_SLOW_MEMORY_S = 600.0
 
 __all__ = ["GrammarError", "GrammarService", "GrammarTicket", "RequestGrammar"]
 
@@ -141,6 +146,7 @@ class GrammarService:
             self._pool.submit(lambda: self._child().start())
         self._cache: OrderedDict[bytes, xgr.CompiledGrammar] = OrderedDict()
         self._in_flight: dict[bytes, _Compile] = {}
+        self._too_slow: OrderedDict[bytes, float] = OrderedDict()  # key -> when it was stopped
         self.num_compiled = 0
         self.num_cache_hits = 0
         self.num_failed = 0
@@ -157,6 +163,12 @@ class GrammarService:
             return self._failed(request_id, spec.param or "structured_outputs", e, deadline)
         key = spec.key()
         with self._lock:
+            if now - self._too_slow.get(key, -TOO_SLOW_MEMORY_S) < TOO_SLOW_MEMORY_S:
+                error = GrammarError(
+                    f"{field}: this constraint took longer than {self.compile_timeout_s:g} s "
+                    "to compile when it was last tried; simplify it"
+                )
+                return self._failed(request_id, field, error, deadline)
             compiled = self._cache.get(key)
             if compiled is not None:
                 self._cache.move_to_end(key)
@@ -225,6 +237,13 @@ class GrammarService:
         future.set_exception(error if isinstance(error, GrammarError) else GrammarError(str(error)))
         return GrammarTicket(request_id, field, future, deadline, self.compile_timeout_s)
 
+    def _remember_too_slow(self, key: bytes) -> None:
+        with self._lock:
+            self._too_slow[key] = time.monotonic()
+            self._too_slow.move_to_end(key)
+            while len(self._too_slow) > self.cache_size:
+                self._too_slow.popitem(last=False)
+
     def _run(self, key: bytes, spec: StructuredOutputs, job: _Compile) -> None:
         """On a pool thread: compile unless every waiting request has given up."""
         try:
@@ -235,10 +254,13 @@ class GrammarService:
             elapsed = time.perf_counter() - start
         except BaseException as e:
             if isinstance(e, CompileTimeout):
+                ran = time.perf_counter() - start
                 logger.info(
                     "stopped compiling a %s constraint after %.1f s (its requests' deadline)",
-                    spec.kind, time.perf_counter() - start,
+                    spec.kind, ran,
                 )  # fmt: skip
+                if ran >= self.compile_timeout_s:  # its own cost, not its wait in the queue
+                    self._remember_too_slow(key)
                 e = GrammarError(
                     f"{spec.field}: compiling the constraint took longer than "
                     f"{self.compile_timeout_s:g} s; simplify it"

@@ -1,6 +1,6 @@
 """Grammar compiles in a child process (engine_core/grammar_process.py): an overdue
-compile is stopped at its deadline, a compiler that dies fails only its request, and
-the child never outlives the engine."""
+compile is stopped at its deadline (and the same constraint refused at once after it),
+a compiler that dies fails only its request, and the child never outlives the engine."""
 
 from __future__ import annotations
 
@@ -61,7 +61,12 @@ def test_an_overdue_compile_is_stopped_at_its_deadline(tiny_model):
     # Killed then, not left to finish: its process is gone within moments.
     wait_until(lambda: gone(pid) and svc.num_failed == 1, 5)
     assert svc.compiled(SLOW) is None
-    # The next compile starts a fresh child.
+    # Sent again, it is refused at once: it does not take the compiler for 3 s more.
+    again = svc.submit(SLOW, "again")
+    assert again.ready()
+    with pytest.raises(GrammarError, match=r"took longer than 3 s .* when it was last tried"):
+        again.grammar()
+    # The next compile starts a fresh child (the refusal started none).
     fast = svc.submit(StructuredOutputs(regex="a+"), "fast")
     assert fast.wait(30) and fast.grammar().accept(ord("a"))
     assert child.num_started == 2 and child.pid != pid
