@@ -212,10 +212,11 @@ def test_a_step_longer_than_the_heartbeat_timeout_is_not_taken_for_a_hang(
 ):
     # A large model's long prompt chunk on a small box can compute for longer than
     # --engine-heartbeat-timeout in one step (a 7B model's 2,048 tokens are ~29 TFLOP).
-    # Here one thread runs a 16,000-token chunk of the small model, 6-9 s on the CI's
-    # machine kind, behind a 2 s timeout: the rising CPU time in the engine's heartbeats
-    # keeps it from being taken for hung, which failed the whole server before.
-    model = long_context(small_model, 16384)
+    # Here one thread runs a 12,000-token chunk of the small model in fp32 (no bf16 or
+    # AMX speed-up on any CPU: ~11 s on a Zen 4), behind a 2 s timeout: the rising CPU
+    # time in the engine's heartbeats keeps it from being taken for hung, which failed
+    # the whole server before.
+    model = long_context(small_model, 12288)
     server = ZServe(
         str(model),
         "--served-model-name",
@@ -225,8 +226,10 @@ def test_a_step_longer_than_the_heartbeat_timeout_is_not_taken_for_a_hang(
         "--disable-log-requests",
         "--cpu-threads",
         "1",
+        "--dtype",
+        "float32",
         "--max-num-batched-tokens",
-        "16384",
+        "12288",
         "--engine-heartbeat-timeout",
         "2",
         *DEV,
@@ -236,7 +239,7 @@ def test_a_step_longer_than_the_heartbeat_timeout_is_not_taken_for_a_hang(
         t0 = time.monotonic()
         r = httpx.post(
             server.base_url + "/v1/completions",
-            json={"model": MODEL, "prompt": [5 + i % 4000 for i in range(16000)], "max_tokens": 2},
+            json={"model": MODEL, "prompt": [5 + i % 4000 for i in range(12000)], "max_tokens": 2},
             timeout=120,
         )
         took = time.monotonic() - t0
