@@ -163,7 +163,8 @@ class GrammarService:
             return self._failed(request_id, spec.param or "structured_outputs", e, deadline)
         key = spec.key()
         with self._lock:
-            if now - self._too_slow.get(key, -TOO_SLOW_MEMORY_S) < TOO_SLOW_MEMORY_S:
+            stopped_at = self._too_slow.get(key)
+            if stopped_at is not None and now - stopped_at < TOO_SLOW_MEMORY_S:
                 error = GrammarError(
                     f"{field}: this constraint took longer than {self.compile_timeout_s:g} s "
                     "to compile when it was last tried; simplify it"
@@ -237,12 +238,12 @@ class GrammarService:
         future.set_exception(error if isinstance(error, GrammarError) else GrammarError(str(error)))
         return GrammarTicket(request_id, field, future, deadline, self.compile_timeout_s)
 
-    def _remember_too_slow(self, key: bytes) -> None:
-        with self._lock:
-            self._too_slow[key] = time.monotonic()
-            self._too_slow.move_to_end(key)
-            while len(self._too_slow) > self.cache_size:
-                self._too_slow.popitem(last=False)
+    def _keep(self, table: OrderedDict, key: bytes, value: object) -> None:
+        """Under the lock: `key` newest in an LRU table of at most cache_size entries."""
+        table[key] = value
+        table.move_to_end(key)
+        while len(table) > self.cache_size:
+            table.popitem(last=False)
 
     def _run(self, key: bytes, spec: StructuredOutputs, job: _Compile) -> None:
         """On a pool thread: compile unless every waiting request has given up."""
@@ -253,14 +254,14 @@ class GrammarService:
             compiled = self._child().compile(spec, lambda: job.deadline)
             elapsed = time.perf_counter() - start
         except BaseException as e:
+            too_slow = False
             if isinstance(e, CompileTimeout):
                 ran = time.perf_counter() - start
                 logger.info(
                     "stopped compiling a %s constraint after %.1f s (its requests' deadline)",
                     spec.kind, ran,
                 )  # fmt: skip
-                if ran >= self.compile_timeout_s:  # its own cost, not its wait in the queue
-                    self._remember_too_slow(key)
+                too_slow = ran >= self.compile_timeout_s  # its own cost, not its queue wait
                 e = GrammarError(
                     f"{spec.field}: compiling the constraint took longer than "
                     f"{self.compile_timeout_s:g} s; simplify it"
@@ -270,13 +271,13 @@ class GrammarService:
             with self._lock:
                 del self._in_flight[key]
                 self.num_failed += 1
+                if too_slow:
+                    self._keep(self._too_slow, key, time.monotonic())
             job.future.set_exception(e)
             return
         with self._lock:
             del self._in_flight[key]
-            self._cache[key] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self._keep(self._cache, key, compiled)
             self.num_compiled += 1
         if elapsed > 1.0:
             logger.info("compiling a %s constraint took %.1f s", spec.kind, elapsed)

@@ -95,7 +95,8 @@ def add_chat_feature_args(p: argparse.ArgumentParser) -> None:
         "enable_in_reasoning (constrain reasoning too), disable_fallback, "
         "disable_additional_properties, reasoning_parser; and zserve's compile_threads, "
         "compile_timeout_s (a request whose constraint compiles longer gets a 400, the "
-        "compile is killed, and the same constraint is refused at once for 10 min), cache_size, max_spec_bytes (largest constraint), max_choices",
+        "compile is killed, and the same constraint is refused at once for 10 min), "
+        "cache_size, max_spec_bytes (largest constraint), max_choices",
     )
 
 
