@@ -44,12 +44,19 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int]) -> str | None:
         """Append tokens; return the stop string they completed, if any (text is
         then truncated at it)."""
-        before = len(self.text)
+        # Appended through a local that holds the only reference, so CPython grows the
+        # string in place instead of copying the whole text for each token (quadratic
+        # over a long output).
+        text, self.text = self.text, ""
+        before = len(text)
         step = self.stream.step
-        for token_id in token_ids:
-            piece = step(self.tokenizer, token_id)
-            if piece:
-                self.text += piece
+        try:
+            for token_id in token_ids:
+                piece = step(self.tokenizer, token_id)
+                if piece:
+                    text += piece
+        finally:
+            self.text = text
         if not self.stop or len(self.text) == before:
             return None
         longest = max(len(s) for s in self.stop)
