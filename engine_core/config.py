@@ -43,7 +43,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None  # None: by device (default_max_num_seqs)
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0  # 0: no per-request cap beyond the budget
     block_size: int = 16
@@ -85,6 +85,14 @@ class EngineProcConfig:
     cpus: list[int] | None = None  # CPU affinity (--engine-cpus)
     incarnation: int = 0  # 0 at start-up, +1 at each restart of this rank
     node_id: str = ""  # the Ray node it runs on, reported in READY (Ray backend only)
+
+
+def default_max_num_seqs(device_type: str) -> int:
+    """vLLM's server defaults: 128 running sequences on the CPU, 256 on a GPU (that of
+    GPUs under 70 GiB; vLLM gives the larger ones 1024 with 8192-token steps). On the CPU
+    the smaller batch keeps a burst of new prompts from stalling every running stream
+    for long (BENCHMARKS.md §1, seventeenth session)."""
+    return 128 if device_type == "cpu" else 256
 
 
 def cpu_thread_count(cpu_threads: int | None, cores: int, local_engines: int) -> int:

@@ -47,8 +47,8 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.runner = ModelRunner(config)
+        config = self.config = self.runner.config
         info = self.runner.info
         self.max_model_len = self.runner.max_model_len
         self.num_kv_blocks = self.runner.num_blocks

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
 from engine_core.attention import AttentionMetadata, StepBatch, int_tensor
 from engine_core.backends import make_backend
-from engine_core.config import EngineConfig
+from engine_core.config import EngineConfig, default_max_num_seqs
 from engine_core.device import select_device, set_up_host, torch_threads_beside
 from engine_core.kv_cache import KVCacheSpec, PagedKVCache, gpu_num_blocks, sized_num_blocks
 from engine_core.model_loader import inspect_model, resolve_dtype, resolve_max_model_len
@@ -28,8 +29,10 @@ class ModelRunner:
     """Owns the model and its paged KV cache; turns a SchedulerOutput into logits."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.device = select_device(config.device, config.data_parallel_local_rank)
+        if config.max_num_seqs is None:
+            config = replace(config, max_num_seqs=default_max_num_seqs(self.device.type))
+        self.config = config  # with every default that depends on the device resolved
         self.num_threads = set_up_host(config, self.device)
         self.info = inspect_model(config.model)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.info)

@@ -88,7 +88,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="auto | cpu | cuda | cuda:N; with cuda (or auto on a GPU host) each local engine "
         "takes a GPU of its own, in turn where there are more engines than GPUs",
     )
-    g.add_argument("--max-num-seqs", type=positive_int, default=256)
+    g.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        default=None,
+        help="most sequences an engine runs at once; default as vLLM's server: 128 on the "
+        "CPU, 256 on a GPU",
+    )
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     g.add_argument(
         "--long-prefill-token-threshold",

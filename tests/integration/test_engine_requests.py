@@ -73,6 +73,21 @@ def test_abort_frees_every_block_and_produces_no_output(engine):
     assert engine.step() == {}
 
 
+def test_the_default_running_limit_is_vllms_for_the_device(tiny_model):
+    # vLLM's server runs at most 128 sequences on the CPU and 256 on a GPU by default.
+    engine = EngineCore(
+        EngineConfig(model=str(tiny_model("llama")), kv_cache_memory_bytes=2 * SMALL_KV)
+    )
+    limit = 128 if engine.device == "cpu" else 256
+    assert engine.config.max_num_seqs == engine.scheduler.max_num_seqs == limit
+    for i, prompt in enumerate(make_prompts((4,) * 130)):
+        engine.add_request(request(f"r{i}", prompt, greedy(2)))
+    engine.step()
+    stats = engine.make_stats()
+    assert (stats.num_running, stats.num_waiting) == (min(130, limit), 130 - min(130, limit))
+    engine.abort_requests([f"r{i}" for i in range(130)])
+
+
 def test_abort_of_a_waiting_request(tiny_model):
     engine = EngineCore(
         EngineConfig(model=str(tiny_model("llama")), kv_cache_memory_bytes=SMALL_KV, max_num_seqs=1)
