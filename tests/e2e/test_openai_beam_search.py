@@ -140,7 +140,10 @@ def test_what_vllm_refuses_is_a_400(http):
     assert_error(http.post(C, json={**base, "echo": True, "logprobs": 1}), 400, "echo")
     r = http.post(C, json={**base, "logprobs": 1, "logprob_token_ids": [1]})
     assert_error(r, 400, "logprob_token_ids", ["beam search"])
-    r = http.post(C, json={**base, "n": 150, "max_tokens": 1000})
+    # Within the width limit (128 sequences on the CPU) but not the cache: 128 beams over
+    # the whole context (1,024 tokens) may need 128 x 64 blocks, one more than the server
+    # counts on (its 64 MiB hold 8,192, one kept spare).
+    r = http.post(C, json={**base, "prompt": [7], "n": 128, "max_tokens": 1023})
     assert_error(r, 400, "n", ["KV blocks"])
 
 
