@@ -39,6 +39,8 @@ class LLM:
     """`LLM(model_dir, **EngineConfig overrides).generate(prompts, params)`."""
 
     def __init__(self, model: str, **overrides: object) -> None:
+        # vLLM's offline class runs 256 sequences where its server runs 128 on the CPU.
+        overrides.setdefault("max_num_seqs", 256)
         self.engine = EngineCore(EngineConfig(model=model, **overrides))
         self._ids = itertools.count()
 
