@@ -108,9 +108,11 @@ class EngineCore:
         self.request_preemptions_sum = 0
         self.request_preemptions_counts = [0] * (len(REQUEST_PREEMPTION_BUCKETS) + 1)
         logger.info(
-            "engine ready: %s (%s) on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s (%s) on %s (%s), %d KV blocks of %d tokens, max_model_len %d, "
+            "at most %d sequences in steps of %d tokens",
             info.architecture, self.runner.model_impl, self.device, self.dtype,
-            self.num_kv_blocks, self.block_size, self.max_model_len,
+            self.num_kv_blocks, self.block_size, self.max_model_len, config.max_num_seqs,
+            config.max_num_batched_tokens,
         )  # fmt: skip
 
     def add_request(self, request: EngineCoreRequest) -> list[EngineCoreOutput]:
