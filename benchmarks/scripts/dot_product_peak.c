@@ -34,23 +34,34 @@ static inline __m512bh bcast(const uint16_t *p) {
     return (__m512bh)_mm512_set1_epi32(v);
 }
 
-__attribute__((noinline)) static void rows8_cols32(void) {
-    __m512 acc[8][2];
-    for (int r = 0; r < 8; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int p = 0; p < PAIRS; p++) {
-        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(tile + p * 64);
-        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(tile + p * 64 + 32);
-        for (int r = 0; r < 8; r++) {
-            const __m512bh a = bcast(x + r * K + 2 * p);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
-        }
-    }
+static inline void store8(__m512 acc[8][2]) {
     for (int r = 0; r < 8; r++) {
         _mm512_storeu_ps(sink + r * 32, acc[r][0]);
         _mm512_storeu_ps(sink + r * 32 + 16, acc[r][1]);
     }
 }
+
+/* 8 rows x 32 columns; `each_pair`: x's pair broadcast for every row and pair (the
+ * kernel's loop), else one broadcast for the whole call (the dot products alone). */
+static inline __attribute__((always_inline)) void rows8(const int each_pair) {
+    __m512 acc[8][2];
+    for (int r = 0; r < 8; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const __m512bh fixed = bcast(x);
+    for (int p = 0; p < PAIRS; p++) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(tile + p * 64);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(tile + p * 64 + 32);
+        for (int r = 0; r < 8; r++) {
+            const __m512bh a = each_pair ? bcast(x + r * K + 2 * p) : fixed;
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+        }
+    }
+    store8(acc);
+}
+
+__attribute__((noinline)) static void rows8_cols32(void) { rows8(1); }
+
+__attribute__((noinline)) static void dot_products_only(void) { rows8(0); }
 
 __attribute__((noinline)) static void rows4_cols64(void) {
     __m512 acc[4][4];
@@ -66,24 +77,6 @@ __attribute__((noinline)) static void rows4_cols64(void) {
     }
     for (int r = 0; r < 4; r++)
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(sink + (r * 4 + c) * 16, acc[r][c]);
-}
-
-__attribute__((noinline)) static void dot_products_only(void) {
-    __m512 acc[8][2];
-    for (int r = 0; r < 8; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const __m512bh a = bcast(x);
-    for (int p = 0; p < PAIRS; p++) {
-        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(tile + p * 64);
-        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(tile + p * 64 + 32);
-        for (int r = 0; r < 8; r++) {
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
-        }
-    }
-    for (int r = 0; r < 8; r++) {
-        _mm512_storeu_ps(sink + r * 32, acc[r][0]);
-        _mm512_storeu_ps(sink + r * 32 + 16, acc[r][1]);
-    }
 }
 
 __attribute__((noinline)) static void rows8_permuted(void) {
@@ -104,10 +97,7 @@ __attribute__((noinline)) static void rows8_permuted(void) {
             }
         }
     }
-    for (int r = 0; r < 8; r++) {
-        _mm512_storeu_ps(sink + r * 32, acc[r][0]);
-        _mm512_storeu_ps(sink + r * 32 + 16, acc[r][1]);
-    }
+    store8(acc);
 }
 
 int main(void) {
