@@ -70,11 +70,9 @@ async def via_reader(address: str, gap_us: float) -> float:
     start = []
 
     def on_readable() -> None:
-        while True:  # the descriptor is edge-triggered: read until empty
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        # The descriptor is edge-triggered: read until empty.
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             start or start.append(time.process_time())
             if not len(frames[0].buffer):
                 done.set_result(time.process_time() - start[0])
