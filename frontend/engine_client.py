@@ -1,9 +1,8 @@
-"""The API server's link to every engine core: ROUTER out, PULL in.
+"""The API server's link to every engine core: ROUTER out (zmq.asyncio), PULL in.
 
-The ROUTER runs on zmq.asyncio. The PULL, which carries every output, is read by a
-callback on its file descriptor instead: it decodes what the engines send and routes
-each output to the stream of its request. Requests are registered *before* their ADD is
-sent, so no output can arrive for an unknown request.
+The PULL, which carries every output, is read by frontend/output_reader.py. Requests
+are registered *before* their ADD is sent, so no output can arrive for an unknown
+request.
 """
 
 from __future__ import annotations
@@ -26,11 +25,11 @@ from frontend.engine_state import (
     RequestStream,
     Wakeup,
 )
+from frontend.output_reader import OutputReader
 from protocol import codec
 from protocol.controls import HOLD_ALL
 from protocol.keys import start_authenticator
 from protocol.messages import (
-    ENGINE_CORE_DEAD,
     EngineCoreRequest,
     EngineReady,
     RequestType,
@@ -47,10 +46,6 @@ from protocol.sockets import (
 )
 
 log = logging.getLogger("zserve.client")
-
-# Messages the output reader takes in one turn of the event loop before it lets the
-# loop's other work run (it comes back on the next turn).
-OUTPUT_MESSAGES_PER_TURN = 64
 
 # Requests' worth of load an engine counts for a LoRA request when the adapter is not in
 # its memory: enough to prefer a warm engine at about the same load, not to pile on it.
@@ -77,7 +72,7 @@ class EngineClient:
         # connection may linger (a node gone without a TCP reset): the newcomer wins.
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # The PULL is a plain socket on the same libzmq context (so the same ZAP
-        # handler): a callback on its descriptor reads it, see _on_outputs_readable.
+        # handler): a callback on its descriptor reads it (output_reader.py).
         self.pull = make_socket(
             zmq.Context.shadow(self.ctx.underlying),
             zmq.PULL,
@@ -93,9 +88,9 @@ class EngineClient:
         self._rotate = itertools.count()
         self._groups = itertools.count(1)
         self._utility_ids = itertools.count(1)
-        self._utility_waiters: dict[int, asyncio.Future] = {}
+        self.utility_waiters: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
-        self._reader: tuple[asyncio.AbstractEventLoop, int] | None = None
+        self.outputs = OutputReader(self)
         self.on_engine_dead: Callable[[EngineState], None] | None = None
         self.on_loop_lag: Callable[[float], None] | None = None  # this loop's lag, each tick
         self.dead = False
@@ -117,7 +112,7 @@ class EngineClient:
         now = time.monotonic()
         for engine in self.engines:
             engine.last_seen = engine.steps_changed_at = now
-        self._start_output_reader()
+        self.outputs.start()
         self._tasks.append(asyncio.create_task(self._router_reader(), name="router-reader"))
         self._tasks.append(asyncio.create_task(self._watchdog(), name="engine-watchdog"))
 
@@ -286,7 +281,7 @@ class EngineClient:
     async def call_utility(self, engine: EngineState, method: str, *args) -> object:
         call_id = next(self._utility_ids)
         future = asyncio.get_running_loop().create_future()
-        self._utility_waiters[call_id] = future
+        self.utility_waiters[call_id] = future
         self._send(
             engine,
             RequestType.UTILITY,
@@ -295,92 +290,7 @@ class EngineClient:
         try:
             return await future
         finally:
-            self._utility_waiters.pop(call_id, None)
-
-    # --- outputs ------------------------------------------------------------------
-
-    def _start_output_reader(self) -> None:
-        """Read the PULL from a callback on its descriptor. A receive through
-        zmq.asyncio costs a future and a task wake-up a message; at one token a message
-        (a single stream), that was twice the CPU of this reader: 80 against 40 us a
-        message (benchmarks/scripts/zmq_receive_cost.py, BENCHMARKS.md §4)."""
-        loop = asyncio.get_running_loop()
-        fd = self.pull.getsockopt(zmq.FD)
-        loop.add_reader(fd, self._on_outputs_readable)
-        self._reader = (loop, fd)
-        # Messages may have queued before the reader was added, and ZMQ's descriptor
-        # signals only changes: look once now.
-        loop.call_soon(self._on_outputs_readable)
-
-    def _on_outputs_readable(self) -> None:
-        """Hot path. ZMQ's descriptor is edge-triggered: once it fires, every queued
-        message must be taken, or the rest waits for the next message to arrive. So this
-        reads until the socket is empty, and after OUTPUT_MESSAGES_PER_TURN messages it
-        goes on in the loop's next turn rather than hold the loop."""
-        pull = self.pull
-        for _ in range(OUTPUT_MESSAGES_PER_TURN):
-            try:
-                # Asking first is cheaper than the exception of an empty receive.
-                if not pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    return
-                frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.ZMQError as e:  # closed under us (close() is under way), or Again
-                log.debug("output socket: %s", e)
-                return
-            try:
-                self._on_output_message(frames)
-            except Exception:  # a bug here must not stop the outputs of every request
-                log.exception("failed to handle an output message")
-        self._reader[0].call_soon(self._on_outputs_readable)
-
-    def _on_output_message(self, frames: list[zmq.Frame]) -> None:
-        if len(frames) != 1:
-            self._special_message(frames)
-            return
-        try:
-            outs = codec.decode_outputs(frames[0].buffer)
-            engine = self.engines[outs.engine_index]
-        except (*codec.DecodeError, IndexError) as e:
-            log.warning("dropped an undecodable output message: %s", e)
-            return
-        now = time.monotonic()
-        engine.last_seen = now
-        stats = outs.scheduler_stats
-        if stats is not None:
-            prev = engine.stats
-            if stats.num_steps != prev.num_steps or stats.num_waits != prev.num_waits:
-                engine.steps_changed_at = now
-            if stats.cpu_s:
-                engine.heard_cpu(stats.cpu_s, now)
-            engine.blocked_until = now + stats.blocked_s if stats.blocked_s else 0.0
-            engine.stats = stats
-        requests = self.requests
-        for out in outs.outputs:
-            stream = requests.get(out.request_id)
-            if stream is None:
-                continue  # aborted here already, or not ours
-            stream.put(out)
-            if out.finish_reason is not None:
-                del requests[out.request_id]
-                stream.finished = True
-                engine.in_flight -= stream.weight
-        if outs.utility_result is not None:
-            waiter = self._utility_waiters.get(outs.utility_result.call_id)
-            if waiter is not None and not waiter.done():
-                r = outs.utility_result
-                if r.failure_message:
-                    waiter.set_exception(RuntimeError(r.failure_message))
-                else:
-                    waiter.set_result(r.result)
-
-    def _special_message(self, frames) -> None:
-        """[ENGINE_CORE_DEAD, rank]: an engine's last words before it exits."""
-        if len(frames) == 2 and bytes(frames[0].buffer) == ENGINE_CORE_DEAD:
-            rank = identity_rank(bytes(frames[1].buffer))
-            if 0 <= rank < len(self.engines):
-                self.mark_dead(self.engines[rank], "the engine reported a fatal error")
-                return
-        log.warning("dropped a %d-frame message on the output socket", len(frames))
+            self.utility_waiters.pop(call_id, None)
 
     async def _watchdog(self) -> None:
         """An engine is dead when it falls silent (every engine sends a heartbeat each
@@ -478,11 +388,7 @@ class EngineClient:
     def close(self) -> None:
         for t in self._tasks:
             t.cancel()
-        if self._reader is not None:
-            loop, fd = self._reader
-            self._reader = None
-            if not loop.is_closed():
-                loop.remove_reader(fd)
+        self.outputs.stop()
         # Sockets first, then their ZAP handler, then the context it runs on.
         self.router.close(linger=0)
         self.pull.close(linger=0)

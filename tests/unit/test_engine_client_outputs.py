@@ -9,12 +9,13 @@ import time
 
 import zmq
 
-from frontend.engine_client import OUTPUT_MESSAGES_PER_TURN, EngineClient
+from frontend.engine_client import EngineClient
 from frontend.engine_state import ClientConfig, RequestStream
+from frontend.output_reader import MESSAGES_PER_TURN
 from protocol import codec
 from protocol.messages import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
-BACKLOG = 10 * OUTPUT_MESSAGES_PER_TURN
+BACKLOG = 10 * MESSAGES_PER_TURN
 
 
 def test_a_backlog_of_outputs_reaches_every_stream_a_turn_at_a_time(tmp_path):
@@ -55,7 +56,7 @@ def test_a_backlog_of_outputs_reaches_every_stream_a_turn_at_a_time(tmp_path):
                 seen.append(sum(s.finished for s in streams))
                 await asyncio.sleep(0)
 
-        client._start_output_reader()
+        client.outputs.start()
         try:
             await asyncio.wait_for(watch(), 10)
         finally:
@@ -65,7 +66,7 @@ def test_a_backlog_of_outputs_reaches_every_stream_a_turn_at_a_time(tmp_path):
 
     streams, seen = asyncio.run(scenario())
     assert [s.items[0].new_token_ids for s in streams] == [[i] for i in range(BACKLOG)]
-    # The loop ran other work between turns of at most OUTPUT_MESSAGES_PER_TURN each.
+    # The loop ran other work between turns of at most MESSAGES_PER_TURN each.
     steps = [b - a for a, b in zip(seen, seen[1:], strict=False)]
-    assert max(steps) <= OUTPUT_MESSAGES_PER_TURN
-    assert sum(0 < n < BACKLOG for n in seen) >= BACKLOG // OUTPUT_MESSAGES_PER_TURN - 1
+    assert max(steps) <= MESSAGES_PER_TURN
+    assert sum(0 < n < BACKLOG for n in seen) >= BACKLOG // MESSAGES_PER_TURN - 1
