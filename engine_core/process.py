@@ -28,7 +28,7 @@ from engine_core.client_load import HEARTBEAT_S, STATS_INTERVAL_S, ClientLoad, l
 from engine_core.config import EngineProcConfig
 from engine_core.device import release_free_memory
 from engine_core.engine_links import await_plan, connect_links, open_handshake
-from engine_core.output_thread import DEAD, HEARTBEAT, LOAD, run_output_thread
+from engine_core.output_thread import DEAD, HEARTBEAT, LOAD, OutputLane, run_output_thread
 from engine_core.utility_calls import dispatch, failure_message
 from protocol import codec
 from protocol.handshake import EnginePlan, encode_handshake
@@ -71,7 +71,7 @@ class EngineCoreProc:
         self.outputs: list[zmq.Socket] = []
         # Not a SimpleQueue: before 3.13 its get(timeout) can hang for good on a signal.
         self.input_queue: queue.Queue = queue.Queue()
-        self.output_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.output_queue = OutputLane()
         self.stop = threading.Event()
         self.engine = None
         self.ready: EngineReady | None = None
@@ -307,19 +307,15 @@ class EngineCoreProc:
         )
 
     def queue_outputs_for(self, client_index: int, outputs: list[EngineCoreOutput]) -> None:
-        """Queue one message for an API server (outputs, or none: stats only), with the
-        last stats; the output thread sends it."""
-        self.output_queue.put(
-            (
-                client_index,
-                EngineCoreOutputs(
-                    engine_index=self.rank,
-                    outputs=outputs,
-                    scheduler_stats=self.stats,
-                    timestamp=time.time(),
-                ),
-            )
+        """One message for an API server (outputs, or none: stats only), with the last
+        stats: sent now if small and nothing waits before it, else by the output thread."""
+        message = EngineCoreOutputs(
+            engine_index=self.rank,
+            outputs=outputs,
+            scheduler_stats=self.stats,
+            timestamp=time.time(),
         )
+        self.output_queue.send_or_put(self, client_index, message)
 
     def busy_loop(self) -> None:
         """drain inputs → step → queue outputs → publish load, until shutdown."""
