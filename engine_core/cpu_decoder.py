@@ -4,7 +4,10 @@
 Python and ctypes cost a few microseconds, ~0.2 ms of a 1.3 ms one-row decode step of
 the small model. Where every projection runs on the kernels' matmul, a step without
 LoRA rows and without prefill chunks for SDPA runs the same kernels in the same order
-from C instead: the same results bit for bit, one call.
+from C instead: the same results bit for bit, one call. With the LM head on the
+kernels' matmul too, that call also takes the embedding and the sampled rows' last
+norm and logits (`logits`): the torch ops around the layers cost a one-row step
+~15 us more, and more again with the caches cold after the layers' weights.
 """
 
 from __future__ import annotations
@@ -53,6 +56,22 @@ class StepRows(ctypes.Structure):
     ]
 
 
+class StepHead(ctypes.Structure):
+    """decoder.c's struct zs_head: the step's token ids and where its logits go."""
+
+    _fields_ = [
+        ("ids", _P),
+        ("embed", _P),
+        ("embed_rows", _I64),
+        ("sample", _P),
+        ("m", _I64),
+        ("vocab", _I64),
+        ("norm", _P),
+        ("lm_head", _P),
+        ("logits", _P),
+    ]
+
+
 class DecoderLayer(Protocol):
     input_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -83,8 +102,9 @@ class FusedDecoder:
         eps: float,
         scale: float,
         rope: tuple[torch.Tensor, torch.Tensor],
+        head: tuple[torch.Tensor, torch.Tensor, Linear] | None = None,
     ) -> None:
-        self._run = kernels.decoder
+        self._run, self._run_logits = kernels.decoder, kernels.decoder_logits
         self.hidden, self.inter = hidden, inter
         self.hq, self.hkv, self.d = heads
         self.cos, self.sin = rope
@@ -98,13 +118,25 @@ class FusedDecoder:
             w.qkv_bias = _ptr(layer.qkv.bias_f32)
             w.window = layer.sliding_window or 0
         self._keep = list(layers)  # the tensors behind the pointers
+        # (embedding, final norm, LM head): where the LM head runs on the kernels' matmul
+        # without a bias, logits() runs the whole forward in one call.
+        self.head: StepHead | None = None
+        if head is not None and head[2].fused and head[2].bias_f32 is None:
+            embed, norm, lm_head = head
+            self.head = StepHead(
+                None, embed.data_ptr(), embed.shape[0], None, 0, lm_head.width,
+                norm.data_ptr(), lm_head.packed.data_ptr(), None,
+            )  # fmt: skip
+            self._keep.append(head)
+        self._buffers = torch.empty(0, dtype=torch.bfloat16)  # h, down, scratch (grown)
 
     @classmethod
     def build(
         cls, kernels: CpuKernels | None, layers: Sequence[DecoderLayer], *shape
     ) -> FusedDecoder | None:
-        """One for these layers (shape: as __init__ takes it after them), or None unless
-        every projection runs on the kernels' matmul, with biases on QKV only."""
+        """One for these layers (shape and head: as __init__ takes them after them), or
+        None unless every projection runs on the kernels' matmul, with biases on QKV
+        only."""
         if kernels is None or kernels.decoder is None:
             return None
         for layer in layers:
@@ -125,21 +157,59 @@ class FusedDecoder:
         """hidden [N, H] (the embeddings; updated in place to the residual before the last
         layer's MLP) → that MLP's output [N, H]."""
         n = hidden.shape[0]
-        for w, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            w.k_cache, w.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-        self.shape.block_size = kv_caches[0][0].shape[2]
-        width = (self.hq + 2 * self.hkv) * self.d
-        scratch = torch.empty(
-            n * (width + self.hq * self.d + self.hidden + self.inter), dtype=hidden.dtype
-        )
+        step = self._step(n, positions, rows, kv_caches)
+        scratch = torch.empty(n * self._scratch_width(), dtype=hidden.dtype)
         down = torch.empty(n, self.hidden, dtype=hidden.dtype)
-        step = StepRows(
-            n, rows.tables.stride(0), rows.max_len, positions.data_ptr(), rows.slots.data_ptr(),
-            rows.tables.data_ptr(), rows.row_table.data_ptr(), rows.row_len.data_ptr(),
-            self.cos.data_ptr(), self.sin.data_ptr(),
-        )  # fmt: skip
         self._run(
             self.layers, ctypes.byref(self.shape), ctypes.byref(step), hidden.data_ptr(),
             down.data_ptr(), scratch.data_ptr(),
         )  # fmt: skip
         return down
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rows,  # attention.PagedRows
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """The forward in one call (only where `head` is set): token ids int64 [N] →
+        fp32 logits [len(logits_indices), vocab] of those rows."""
+        # Hot path: one call; the buffers are kept from step to step.
+        head, n, m = self.head, input_ids.shape[0], logits_indices.shape[0]
+        step = self._step(n, positions, rows, kv_caches)
+        h_len = n * self.hidden
+        scratch_len = max(n * self._scratch_width(), 3 * m * self.hidden)
+        if self._buffers.numel() < 2 * h_len + scratch_len:
+            self._buffers = torch.empty(2 * h_len + scratch_len, dtype=torch.bfloat16)
+        base = self._buffers.data_ptr()
+        logits = torch.empty(m, head.vocab, dtype=torch.float32)
+        head.ids, head.sample, head.m = input_ids.data_ptr(), logits_indices.data_ptr(), m
+        head.logits = logits.data_ptr()
+        bad = self._run_logits(
+            self.layers, ctypes.byref(self.shape), ctypes.byref(step), ctypes.byref(head),
+            base, base + 2 * h_len, base + 4 * h_len,
+        )  # fmt: skip
+        if bad:
+            raise IndexError(f"token id {int(input_ids[bad - 1])} is not in the embedding")
+        return logits
+
+    def _scratch_width(self) -> int:
+        return (self.hq + 2 * self.hkv) * self.d + self.hq * self.d + self.hidden + self.inter
+
+    def _step(
+        self,
+        n: int,
+        positions: torch.Tensor,
+        rows,  # attention.PagedRows
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    ) -> StepRows:
+        for w, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            w.k_cache, w.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        self.shape.block_size = kv_caches[0][0].shape[2]
+        return StepRows(
+            n, rows.tables.stride(0), rows.max_len, positions.data_ptr(), rows.slots.data_ptr(),
+            rows.tables.data_ptr(), rows.row_table.data_ptr(), rows.row_len.data_ptr(),
+            self.cos.data_ptr(), self.sin.data_ptr(),
+        )  # fmt: skip

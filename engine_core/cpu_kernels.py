@@ -32,7 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")  # *.c: one op each; kernels.h: what they share
-ABI = 8  # zs_abi() of the source this module speaks to
+ABI = 9  # zs_abi() of the source this module speaks to
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16  # query heads per KV head
 TILED_MIN_ROWS = 8  # csrc/kernels.h ZS_TILED_MIN_ROWS: a run of rows of one sequence takes tiles
@@ -94,7 +94,7 @@ class CpuKernels:
         lib.zs_tiled_attention_enable.restype = _INT
         self._tiled_ready = lib.zs_tiled_attention_ready
         self._tiled_enable = lib.zs_tiled_attention_enable
-        self.decoder = None
+        self.decoder = self.decoder_logits = None
         if self.has_linear:
             for name, argtypes in _LINEAR_SIGNATURES.items():
                 fn = getattr(lib, name)
@@ -106,6 +106,9 @@ class CpuKernels:
             # The decoder layers in one call (cpu_decoder.py), on the kernels' matmul.
             lib.zs_decoder.argtypes, lib.zs_decoder.restype = [_P] * 6, None
             self.decoder = lib.zs_decoder
+            # ... and with the embedding before them and the LM head after.
+            lib.zs_decoder_logits.argtypes, lib.zs_decoder_logits.restype = [_P] * 7, _I64
+            self.decoder_logits = lib.zs_decoder_logits
 
     def tiled_attention(
         self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from engine_core.attention import ATTN_IMPLEMENTATION
@@ -123,3 +124,30 @@ def resolve_max_model_len(requested: int | None, info: ModelInfo) -> int:
             f"(max_position_embeddings of {info.path})"
         )
     return requested
+
+
+class CheckpointTensors:
+    """All tensors of a safetensors checkpoint, by name, converted on first use."""
+
+    def __init__(self, folder: Path, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = [p.name for p in sorted(folder.glob("*.safetensors"))]
+        if not files:
+            raise ValueError(f"{folder}: no *.safetensors weights")
+        self.where: dict[str, Path] = {}
+        for name in files:
+            with safe_open(folder / name, framework="pt") as f:
+                for key in f.keys():
+                    self.where[key] = folder / name
+
+    def has(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        with safe_open(self.where[name], framework="pt") as f:
+            tensor = f.get_tensor(name)
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()

@@ -12,14 +12,11 @@ every rope-scaling variant it knows (linear, llama3, yarn, longrope) is exact.
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from engine_core import cpu_kernels
 from engine_core.attention import (
@@ -32,14 +29,13 @@ from engine_core.attention import (
     int_tensor,
     paged_attention,
     rows_between,
-    table_tensor,
     torch_metadata,
 )
 from engine_core.config import EngineConfig
 from engine_core.cpu_decoder import FusedDecoder
 from engine_core.kv_cache import PagedKVCache
 from engine_core.lora_adapter import LoraTargets, LoraWeights
-from engine_core.model_loader import ModelInfo
+from engine_core.model_loader import CheckpointTensors, ModelInfo
 from engine_core.native_linear import Linear
 from engine_core.native_lora import LoraRows, NativeLora, native_targets
 
@@ -77,33 +73,6 @@ class _Layer:
     gate_up: Linear  # [2 I, hidden], called for silu(gate) · up
     down: Linear
     sliding_window: int | None
-
-
-class _Weights:
-    """All tensors of a safetensors checkpoint, by name, converted on first use."""
-
-    def __init__(self, folder: Path, dtype: torch.dtype, device: torch.device) -> None:
-        self.dtype, self.device = dtype, device
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = [p.name for p in sorted(folder.glob("*.safetensors"))]
-        if not files:
-            raise ValueError(f"{folder}: no *.safetensors weights")
-        self.where: dict[str, Path] = {}
-        for name in files:
-            with safe_open(folder / name, framework="pt") as f:
-                for key in f.keys():
-                    self.where[key] = folder / name
-
-    def has(self, name: str) -> bool:
-        return name in self.where
-
-    def get(self, name: str) -> torch.Tensor:
-        with safe_open(self.where[name], framework="pt") as f:
-            tensor = f.get_tensor(name)
-        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
 
 
 class NativeLlamaBackend:
@@ -157,7 +126,7 @@ class NativeLlamaBackend:
         self.head_dim = info.head_dim
         self.eps = cfg.rms_norm_eps
         self.scaling = self.head_dim**-0.5
-        w = _Weights(info.path, dtype, device)
+        w = CheckpointTensors(info.path, dtype, device)
         self.cos, self.sin = self._rope_tables(info, max_model_len)
         self.kernels = self._cpu_kernels(use_cpu_kernels)
 
@@ -211,7 +180,7 @@ class NativeLlamaBackend:
         self.decoder = FusedDecoder.build(  # the layers in one kernel call, where they can
             self.kernels, self.layers, self.hidden_size, self.intermediate,
             (self.num_heads, self.num_kv_heads, self.head_dim), self.eps, self.scaling,
-            (self.cos, self.sin),
+            (self.cos, self.sin), (self.embed, self.norm, self.lm_head),
         )  # fmt: skip
 
     def _cpu_kernels(self, use: str) -> cpu_kernels.CpuKernels | None:
@@ -352,8 +321,12 @@ class NativeLlamaBackend:
         # Hot path: per layer 4 matmuls and 3-4 kernel calls; all layers in one (cpu_decoder).
         k, rows, eps, lora = self.kernels, attn_meta.rows, self.eps, attn_meta.lora
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        fused = self.decoder is not None and lora is None and not attn_meta.prefills
+        if fused and self.decoder.head is not None:
+            caches = attn_meta.kv_caches
+            return self.decoder.logits(input_ids, positions, rows, caches, logits_indices)
         hidden = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
-        if self.decoder is not None and lora is None and not attn_meta.prefills:
+        if fused:
             down = self.decoder.run(hidden, positions, rows, attn_meta.kv_caches)
             last = hidden.index_select(0, logits_indices) + down.index_select(0, logits_indices)
             return self.lm_head(k.rms_norm(last, self.norm, eps))
@@ -419,31 +392,39 @@ def _lora_linear(linear: Linear, x: torch.Tensor, lora: LoraRows | None, slot: i
 def _paged_rows_metadata(batch: StepBatch, cache: PagedKVCache, sdpa: bool) -> AttentionMetadata:
     """The CPU kernels' metadata: one block table per sequence, one entry per row; with
     `sdpa`, the long prefill chunks that take SDPA's attention."""
-    # Hot path: plain lists, one tensor each at the end (cheaper than torch ops here).
+    # Hot path: plain lists in one pass, one tensor each at the end (cheaper than torch
+    # ops here: a one-row step's metadata is ~10 us).
     bs = cache.block_size
-    tables: list[list[int]] = []
+    width = max(-(-(start + n) // bs) for _, start, n in batch.sequences)
+    tables: list[int] = []  # [sequences, width], each padded with the null block 0
     row_table: list[int] = []
+    row_len: list[int] = []
     slots: list[int] = []
     dense: list[PrefillChunk] = []
     row = 0
     for i, (blocks, start, n) in enumerate(batch.sequences):
-        table = blocks[: -(-(start + n) // bs)]
-        tables.append(table)
+        used = -(-(start + n) // bs)
+        tables += blocks[:used]
+        if used < width:
+            tables += [0] * (width - used)
         if n == 1:
             row_table.append(i)
+            row_len.append(start + 1)
             slots.append(blocks[start // bs] * bs + start % bs)
         else:
-            row_table.extend([i] * n)
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-        if sdpa and n >= DENSE_MIN_ROWS and n * (start + n) >= DENSE_MIN_WORK:
-            dense.append(PrefillChunk(row, row + n, start, gather_index(cache, table)))
+            row_table += [i] * n
+            row_len += range(start + 1, start + n + 1)
+            slots += [blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+            if sdpa and n >= DENSE_MIN_ROWS and n * (start + n) >= DENSE_MIN_WORK:
+                table = blocks[:used]
+                dense.append(PrefillChunk(row, row + n, start, gather_index(cache, table)))
         row += n
     rows = PagedRows(
         slots=int_tensor(slots),
-        tables=table_tensor(tables, torch.int32),
+        tables=int_tensor(tables, torch.int32).view(len(batch.sequences), width),
         row_table=int_tensor(row_table, torch.int32),
-        row_len=(batch.positions + 1).to(torch.int32),
-        max_len=int(batch.positions.max()) + 1,
+        row_len=int_tensor(row_len, torch.int32),
+        max_len=max(row_len),
         kernel_spans=rows_between(dense, row),
     )
     return AttentionMetadata(kv_caches=cache.layers, rows=rows, prefills=dense)

@@ -4,6 +4,9 @@
  * Python loop calls one at a time (native_llama._forward_kernels), so the results are
  * the same bit for bit; one call instead of ~9 per layer saves the Python and ctypes
  * around each (a few microseconds apiece, a tenth of a one-row decode step).
+ * zs_decoder_logits wraps it in the forward's first and last steps too (the
+ * embedding, the sampled rows' last residual add and norm, the LM head), which cost
+ * a one-row step as much again from Python.
  */
 #include "kernels.h"
 
@@ -57,5 +60,42 @@ void zs_decoder(const struct zs_layer *layers, const struct zs_shape *s, const s
         if (i + 1 < s->layers)
             zs_rms_norm(down, hid, h, hid, layers[i + 1].input_norm, x, hid, n, hid, s->eps);
     }
+}
+
+/* Mirrors cpu_decoder.StepHead: the step's token ids and where its logits go. */
+struct zs_head {
+    const int64_t *ids;     /* [rows] */
+    const bf16 *embed;      /* [embed_rows, hidden] */
+    int64_t embed_rows;
+    const int64_t *sample;  /* [m] rows that take logits */
+    int64_t m, vocab;
+    const bf16 *norm;       /* the final norm's weight */
+    const bf16 *lm_head;    /* packed [vocab, hidden], no bias */
+    float *logits;          /* [m, vocab] */
+};
+
+/* The whole forward of a step: h [rows, hidden] = embed[ids], the decoder layers, then
+ * logits = lm_head(norm(h + down)) of the sampled rows, fp32 (the bf16 values). h, down
+ * and scratch as zs_decoder takes them; scratch must also hold 3 m x hidden bf16, which
+ * it does (m <= rows). Answers 0, or 1 + the first row whose id is not an embedding
+ * row (then nothing is computed). */
+int64_t zs_decoder_logits(const struct zs_layer *layers, const struct zs_shape *s,
+                          const struct zs_rows *r, const struct zs_head *head, bf16 *h,
+                          bf16 *down, bf16 *scratch) {
+    const int64_t n = r->rows, hid = s->hidden;
+    for (int64_t i = 0; i < n; i++)
+        if (head->ids[i] < 0 || head->ids[i] >= head->embed_rows) return i + 1;
+    for (int64_t i = 0; i < n; i++)
+        memcpy(h + i * hid, head->embed + head->ids[i] * hid, hid * sizeof(bf16));
+    zs_decoder(layers, s, r, h, down, scratch);
+    const int64_t m = head->m;
+    bf16 *res = scratch, *mlp = res + m * hid, *x = mlp + m * hid;
+    for (int64_t j = 0; j < m; j++) {
+        memcpy(res + j * hid, h + head->sample[j] * hid, hid * sizeof(bf16));
+        memcpy(mlp + j * hid, down + head->sample[j] * hid, hid * sizeof(bf16));
+    }
+    zs_rms_norm(mlp, hid, res, hid, head->norm, x, hid, m, hid, s->eps);
+    zs_linear(x, hid, head->lm_head, NULL, m, head->vocab, hid, 0, head->logits, head->vocab, 1);
+    return 0;
 }
 #endif

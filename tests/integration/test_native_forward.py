@@ -9,6 +9,7 @@ import torch
 from engine_oracle import SMALL_KV, greedy, make_prompts
 
 from engine_core import native_llama
+from engine_core.attention import StepBatch
 from engine_core.cpu_kernels import TILED_MIN_ROWS
 from engine_core.cpu_kernels import load as load_kernels
 from engine_core.hf_backend import TransformersBackend
@@ -259,10 +260,11 @@ def test_rope_tables_match_transformers_positions(tiny_model):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_the_layers_in_one_kernel_call_equal_the_per_op_forward(tiny_model, arch):
-    # cpu_decoder.FusedDecoder chains the same kernels in C: on every step the fused
-    # forward runs first, then the per-op one (which writes the same K/V again), and
-    # their logits must be equal bit for bit; qwen2 has QKV biases, qwen3 q/k norms,
-    # mistral a sliding window. Steps mix decodes and short prompt chunks.
+    # cpu_decoder.FusedDecoder chains the same kernels in C: on every step the whole
+    # forward in one call runs first (the embedding, the layers, the LM head), then the
+    # layers alone in one call, then the per-op forward (each writes the same K/V
+    # again), and their logits must be equal bit for bit; qwen2 has QKV biases, qwen3
+    # q/k norms, mistral a sliding window. Steps mix decodes and short prompt chunks.
     llm = LLM(
         str(tiny_model(arch)), kv_cache_memory_bytes=SMALL_KV, model_impl="native",
         dtype="bfloat16", device="cpu", max_num_batched_tokens=24, long_prefill_token_threshold=7,
@@ -272,7 +274,8 @@ def test_the_layers_in_one_kernel_call_equal_the_per_op_forward(tiny_model, arch
     if native.kernels is None or native.kernels.decoder is None:
         pytest.skip("the decoder call is in the AVX512-BF16 build only")
     decoder = native.decoder
-    assert decoder is not None
+    assert decoder is not None and decoder.head is not None
+    head = decoder.head
     for layer in native.layers:  # from_config zeroes biases: give them values to get wrong
         if layer.qkv.bias_f32 is not None:
             layer.qkv.bias_f32.copy_(torch.randn_like(layer.qkv.bias_f32))
@@ -280,15 +283,24 @@ def test_the_layers_in_one_kernel_call_equal_the_per_op_forward(tiny_model, arch
 
     def execute(plan):
         args = runner.prepare(plan)
-        fused = native.forward(*args)
+        whole = native.forward(*args)
+        decoder.head = None
+        layers = native.forward(*runner.prepare(plan))
         native.decoder = None
         per_op = native.forward(*runner.prepare(plan))
-        native.decoder = decoder
+        native.decoder, decoder.head = decoder, head
         if not args[2].prefills:
             fused_steps.append(plan)
-        assert torch.equal(fused, per_op)
+        assert torch.equal(whole, per_op)
+        assert torch.equal(layers, per_op)
         return per_op
 
     runner.execute = execute
     llm.generate(make_prompts(), greedy())
     assert len(fused_steps) > 10
+
+    # A token id past the embedding is refused before anything is computed.
+    ids = torch.tensor([native.embed.shape[0]])
+    meta = native.attention_metadata(StepBatch([([1], 0, 1)], 1, torch.tensor([0])), runner.cache)
+    with pytest.raises(IndexError, match="not in the embedding"):
+        decoder.logits(ids, torch.tensor([0]), meta.rows, meta.kv_caches, torch.tensor([0]))
