@@ -22,6 +22,7 @@ from engine_core.cpu_kernels import CpuKernels
 from engine_core.native_linear import Linear
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+KEEP_ROWS = 256  # FusedDecoder.logits keeps the buffers of steps of up to this many rows
 
 
 class LayerWeights(ctypes.Structure):
@@ -128,7 +129,9 @@ class FusedDecoder:
                 norm.data_ptr(), lm_head.packed.data_ptr(), None,
             )  # fmt: skip
             self._keep.append(head)
-        self._buffers = torch.empty(0, dtype=torch.bfloat16)  # h, down, scratch (grown)
+        # h, down and scratch of steps of up to KEEP_ROWS rows, kept from step to step
+        # (a larger step's are its own: a long prompt's would hold memory for good).
+        self._buffers = torch.empty(0, dtype=torch.bfloat16)
 
     @classmethod
     def build(
@@ -181,9 +184,12 @@ class FusedDecoder:
         step = self._step(n, positions, rows, kv_caches)
         h_len = n * self.hidden
         scratch_len = max(n * self._scratch_width(), 3 * m * self.hidden)
-        if self._buffers.numel() < 2 * h_len + scratch_len:
-            self._buffers = torch.empty(2 * h_len + scratch_len, dtype=torch.bfloat16)
-        base = self._buffers.data_ptr()
+        buffers = self._buffers
+        if buffers.numel() < 2 * h_len + scratch_len:
+            buffers = torch.empty(2 * h_len + scratch_len, dtype=torch.bfloat16)
+            if n <= KEEP_ROWS:
+                self._buffers = buffers
+        base = buffers.data_ptr()
         logits = torch.empty(m, head.vocab, dtype=torch.float32)
         head.ids, head.sample, head.m = input_ids.data_ptr(), logits_indices.data_ptr(), m
         head.logits = logits.data_ptr()
