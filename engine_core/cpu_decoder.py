@@ -197,8 +197,10 @@ class FusedDecoder:
             self.layers, ctypes.byref(self.shape), ctypes.byref(step), ctypes.byref(head),
             base, base + 2 * h_len, base + 4 * h_len,
         )  # fmt: skip
-        if bad:
+        if bad > 0:
             raise IndexError(f"token id {int(input_ids[bad - 1])} is not in the embedding")
+        if bad < 0:
+            raise IndexError(f"logits row {int(logits_indices[-bad - 1])} of a {n}-row step")
         return logits
 
     def _scratch_width(self) -> int:

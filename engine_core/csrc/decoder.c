@@ -76,15 +76,17 @@ struct zs_head {
 
 /* The whole forward of a step: h [rows, hidden] = embed[ids], the decoder layers, then
  * logits = lm_head(norm(h + down)) of the sampled rows, fp32 (the bf16 values). h, down
- * and scratch as zs_decoder takes them; scratch must also hold 3 m x hidden bf16, which
- * it does (m <= rows). Answers 0, or 1 + the first row whose id is not an embedding
- * row (then nothing is computed). */
+ * and scratch as zs_decoder takes them; scratch must also hold 3 m x hidden bf16.
+ * Answers 0; or, computing nothing, 1 + the first row whose id is not an embedding row,
+ * or -(1 + j) for a sampled row j that is not a row of the step. */
 int64_t zs_decoder_logits(const struct zs_layer *layers, const struct zs_shape *s,
                           const struct zs_rows *r, const struct zs_head *head, bf16 *h,
                           bf16 *down, bf16 *scratch) {
     const int64_t n = r->rows, hid = s->hidden;
     for (int64_t i = 0; i < n; i++)
         if (head->ids[i] < 0 || head->ids[i] >= head->embed_rows) return i + 1;
+    for (int64_t j = 0; j < head->m; j++)
+        if (head->sample[j] < 0 || head->sample[j] >= n) return -(j + 1);
     for (int64_t i = 0; i < n; i++)
         memcpy(h + i * hid, head->embed + head->ids[i] * hid, hid * sizeof(bf16));
     zs_decoder(layers, s, r, h, down, scratch);

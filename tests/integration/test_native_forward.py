@@ -299,8 +299,11 @@ def test_the_layers_in_one_kernel_call_equal_the_per_op_forward(tiny_model, arch
     llm.generate(make_prompts(), greedy())
     assert len(fused_steps) > 10
 
-    # A token id past the embedding is refused before anything is computed.
+    # A token id past the embedding, or a logits row past the step, is refused before
+    # anything is computed.
     ids = torch.tensor([native.embed.shape[0]])
     meta = native.attention_metadata(StepBatch([([1], 0, 1)], 1, torch.tensor([0])), runner.cache)
     with pytest.raises(IndexError, match="not in the embedding"):
         decoder.logits(ids, torch.tensor([0]), meta.rows, meta.kv_caches, torch.tensor([0]))
+    with pytest.raises(IndexError, match="logits row 1 of a 1-row step"):
+        decoder.logits(ids - 1, torch.tensor([0]), meta.rows, meta.kv_caches, torch.tensor([1]))
