@@ -1,13 +1,13 @@
-"""The native forward's decoder layers in one call of the CPU kernels (csrc/decoder.c).
+"""The native forward in one call of the CPU kernels (csrc/decoder.c).
 
 `native_llama._forward_kernels` calls nine kernels a layer from Python; each call's
 Python and ctypes cost a few microseconds, ~0.2 ms of a 1.3 ms one-row decode step of
-the small model. Where every projection runs on the kernels' matmul, a step without
-LoRA rows and without prefill chunks for SDPA runs the same kernels in the same order
-from C instead: the same results bit for bit, one call. With the LM head on the
-kernels' matmul too, that call also takes the embedding and the sampled rows' last
-norm and logits (`logits`): the torch ops around the layers cost a one-row step
-~15 us more, and more again with the caches cold after the layers' weights.
+the small model, and the torch ops around the layers (the embedding, the sampled rows'
+last norm, the LM head's wrapper) ~15 us more, several times that with the caches cold
+after the weights. Where every projection, the LM head included, runs on the kernels'
+matmul, a step without LoRA rows and without prefill chunks for SDPA runs the same
+kernels in the same order from C instead: the embedding, the layers, and the sampled
+rows' logits, the same results bit for bit, one call.
 """
 
 from __future__ import annotations
@@ -103,9 +103,9 @@ class FusedDecoder:
         eps: float,
         scale: float,
         rope: tuple[torch.Tensor, torch.Tensor],
-        head: tuple[torch.Tensor, torch.Tensor, Linear] | None = None,
+        head: tuple[torch.Tensor, torch.Tensor, Linear],
     ) -> None:
-        self._run, self._run_logits = kernels.decoder, kernels.decoder_logits
+        self._run = kernels.decoder
         self.hidden, self.inter = hidden, inter
         self.hq, self.hkv, self.d = heads
         self.cos, self.sin = rope
@@ -118,17 +118,12 @@ class FusedDecoder:
             w.gate_up, w.down = layer.gate_up.packed.data_ptr(), layer.down.packed.data_ptr()
             w.qkv_bias = _ptr(layer.qkv.bias_f32)
             w.window = layer.sliding_window or 0
-        self._keep = list(layers)  # the tensors behind the pointers
-        # (embedding, final norm, LM head): where the LM head runs on the kernels' matmul
-        # without a bias, logits() runs the whole forward in one call.
-        self.head: StepHead | None = None
-        if head is not None and head[2].fused and head[2].bias_f32 is None:
-            embed, norm, lm_head = head
-            self.head = StepHead(
-                None, embed.data_ptr(), embed.shape[0], None, 0, lm_head.width,
-                norm.data_ptr(), lm_head.packed.data_ptr(), None,
-            )  # fmt: skip
-            self._keep.append(head)
+        embed, norm, lm_head = head
+        self.head = StepHead(
+            None, embed.data_ptr(), embed.shape[0], None, 0, lm_head.width,
+            norm.data_ptr(), lm_head.packed.data_ptr(), None,
+        )  # fmt: skip
+        self._keep = [*layers, head]  # the tensors behind the pointers
         # h, down and scratch of steps of up to KEEP_ROWS rows, kept from step to step
         # (a larger step's are its own: a long prompt's would hold memory for good).
         self._buffers = torch.empty(0, dtype=torch.bfloat16)
@@ -138,9 +133,12 @@ class FusedDecoder:
         cls, kernels: CpuKernels | None, layers: Sequence[DecoderLayer], *shape
     ) -> FusedDecoder | None:
         """One for these layers (shape and head: as __init__ takes them after them), or
-        None unless every projection runs on the kernels' matmul, with biases on QKV
-        only."""
+        None unless every projection, the LM head included, runs on the kernels' matmul,
+        with biases on QKV only."""
+        lm_head = shape[-1][2]
         if kernels is None or kernels.decoder is None:
+            return None
+        if not lm_head.fused or lm_head.bias_f32 is not None:
             return None
         for layer in layers:
             linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -150,25 +148,6 @@ class FusedDecoder:
                 return None
         return cls(kernels, layers, *shape)
 
-    def run(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rows,  # attention.PagedRows
-        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
-        """hidden [N, H] (the embeddings; updated in place to the residual before the last
-        layer's MLP) → that MLP's output [N, H]."""
-        n = hidden.shape[0]
-        step = self._step(n, positions, rows, kv_caches)
-        scratch = torch.empty(n * self._scratch_width(), dtype=hidden.dtype)
-        down = torch.empty(n, self.hidden, dtype=hidden.dtype)
-        self._run(
-            self.layers, ctypes.byref(self.shape), ctypes.byref(step), hidden.data_ptr(),
-            down.data_ptr(), scratch.data_ptr(),
-        )  # fmt: skip
-        return down
-
     def logits(
         self,
         input_ids: torch.Tensor,
@@ -177,8 +156,8 @@ class FusedDecoder:
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """The forward in one call (only where `head` is set): token ids int64 [N] →
-        fp32 logits [len(logits_indices), vocab] of those rows."""
+        """The forward in one call: token ids int64 [N] → fp32 logits
+        [len(logits_indices), vocab] of those rows."""
         # Hot path: one call; the buffers are kept from step to step.
         head, n, m = self.head, input_ids.shape[0], logits_indices.shape[0]
         step = self._step(n, positions, rows, kv_caches)
@@ -193,7 +172,7 @@ class FusedDecoder:
         logits = torch.empty(m, head.vocab, dtype=torch.float32)
         head.ids, head.sample, head.m = input_ids.data_ptr(), logits_indices.data_ptr(), m
         head.logits = logits.data_ptr()
-        bad = self._run_logits(
+        bad = self._run(
             self.layers, ctypes.byref(self.shape), ctypes.byref(step), ctypes.byref(head),
             base, base + 2 * h_len, base + 4 * h_len,
         )  # fmt: skip

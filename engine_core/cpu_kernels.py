@@ -94,7 +94,7 @@ class CpuKernels:
         lib.zs_tiled_attention_enable.restype = _INT
         self._tiled_ready = lib.zs_tiled_attention_ready
         self._tiled_enable = lib.zs_tiled_attention_enable
-        self.decoder = self.decoder_logits = None
+        self.decoder = None
         if self.has_linear:
             for name, argtypes in _LINEAR_SIGNATURES.items():
                 fn = getattr(lib, name)
@@ -103,12 +103,9 @@ class CpuKernels:
             self._packed_len = lib.zs_linear_packed_len
             self._pack_linear = lib.zs_pack_linear
             self._linear = lib.zs_linear
-            # The decoder layers in one call (cpu_decoder.py), on the kernels' matmul.
-            lib.zs_decoder.argtypes, lib.zs_decoder.restype = [_P] * 6, None
-            self.decoder = lib.zs_decoder
-            # ... and with the embedding before them and the LM head after.
+            # The forward in one call (cpu_decoder.py), on the kernels' matmul.
             lib.zs_decoder_logits.argtypes, lib.zs_decoder_logits.restype = [_P] * 7, _I64
-            self.decoder_logits = lib.zs_decoder_logits
+            self.decoder = lib.zs_decoder_logits
 
     def tiled_attention(
         self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int

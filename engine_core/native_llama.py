@@ -321,15 +321,10 @@ class NativeLlamaBackend:
         # Hot path: per layer 4 matmuls and 3-4 kernel calls; all layers in one (cpu_decoder).
         k, rows, eps, lora = self.kernels, attn_meta.rows, self.eps, attn_meta.lora
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        fused = self.decoder is not None and lora is None and not attn_meta.prefills
-        if fused and self.decoder.head is not None:
+        if self.decoder is not None and lora is None and not attn_meta.prefills:
             caches = attn_meta.kv_caches
             return self.decoder.logits(input_ids, positions, rows, caches, logits_indices)
         hidden = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
-        if fused:
-            down = self.decoder.run(hidden, positions, rows, attn_meta.kv_caches)
-            last = hidden.index_select(0, logits_indices) + down.index_select(0, logits_indices)
-            return self.lm_head(k.rms_norm(last, self.norm, eps))
         x = k.rms_norm(hidden, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = attn_meta.kv_caches[layer.layer_idx]

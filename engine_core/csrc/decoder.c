@@ -4,9 +4,9 @@
  * Python loop calls one at a time (native_llama._forward_kernels), so the results are
  * the same bit for bit; one call instead of ~9 per layer saves the Python and ctypes
  * around each (a few microseconds apiece, a tenth of a one-row decode step).
- * zs_decoder_logits wraps it in the forward's first and last steps too (the
- * embedding, the sampled rows' last residual add and norm, the LM head), which cost
- * a one-row step as much again from Python.
+ * zs_decoder_logits, the entry point, wraps the layers in the forward's first and last
+ * steps too (the embedding, the sampled rows' last residual add and norm, the LM head),
+ * which cost a one-row step as much again from Python.
  */
 #include "kernels.h"
 
@@ -39,7 +39,8 @@ struct zs_rows {
  * h holds the residual before the last layer's MLP and `down` [rows, hidden] that MLP's
  * output (their sum, normed, is the last hidden state; the caller adds only the rows
  * it samples). scratch: rows x (qkv width + hq d + hidden + inter) bf16. */
-void zs_decoder(const struct zs_layer *layers, const struct zs_shape *s, const struct zs_rows *r,
+static void zs_decoder(const struct zs_layer *layers, const struct zs_shape *s,
+                       const struct zs_rows *r,
                 bf16 *h, bf16 *down, bf16 *scratch) {
     const int64_t n = r->rows, hid = s->hidden, qd = s->hq * s->d;
     const int64_t width = qd + 2 * s->hkv * s->d;
