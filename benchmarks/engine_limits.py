@@ -141,7 +141,9 @@ def decode_figures(
 
 def prefill_figures(lim: dict[str, Any], prompt_len: int, tok_s: float) -> dict[str, float]:
     """Prefill at tok_s over prompts of prompt_len: its arithmetic rate, its share of the
-    matmul rate, and the tok/s that rate would give (causal: the mean context is half)."""
+    matmul rate, and the tok/s that rate would give (causal: the mean context is half).
+    The cost is the model's nominal one, as every row computed its logits and its last
+    layer; the engine skips both for a prompt's rows but the last, so this can pass 100 %."""
     per_token = ModelCost(**lim["model"]).flops_per_token(prompt_len / 2)
     return {
         "flops": tok_s * per_token,

@@ -162,7 +162,10 @@ class FusedDecoder:
         head, n, m = self.head, input_ids.shape[0], logits_indices.shape[0]
         step = self._step(n, positions, rows, kv_caches)
         h_len = n * self.hidden
-        scratch_len = max(n * self._scratch_width(), 3 * m * self.hidden)
+        scratch_len = n * self._scratch_width()
+        if m < n:  # the last layer's sampled rows, gathered (decoder.c)
+            scratch_len += m * (self.hq * self.d + self.hidden + 2) + 96
+        scratch_len = max(scratch_len, 3 * m * self.hidden)
         buffers = self._buffers
         if buffers.numel() < 2 * h_len + scratch_len:
             buffers = torch.empty(2 * h_len + scratch_len, dtype=torch.bfloat16)

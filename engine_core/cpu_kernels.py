@@ -32,7 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")  # *.c: one op each; kernels.h: what they share
-ABI = 9  # zs_abi() of the source this module speaks to
+ABI = 10  # zs_abi() of the source this module speaks to
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16  # query heads per KV head
 TILED_MIN_ROWS = 8  # csrc/kernels.h ZS_TILED_MIN_ROWS: a run of rows of one sequence takes tiles

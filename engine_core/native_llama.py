@@ -326,6 +326,9 @@ class NativeLlamaBackend:
             return self.decoder.logits(input_ids, positions, rows, caches, logits_indices)
         hidden = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         x = k.rms_norm(hidden, self.layers[0].input_norm, eps)
+        # As csrc/decoder.c: the last layer's attention, o and MLP for the sampled rows
+        # only (no later layer reads the others), where fewer rows sample than the step has.
+        keep = lora is None and logits_indices.shape[0] < input_ids.shape[0]
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = attn_meta.kv_caches[layer.layer_idx]
             qkv = _lora_linear(layer.qkv, x, lora, 4 * i)
@@ -333,7 +336,16 @@ class NativeLlamaBackend:
                 qkv, positions, self.cos, self.sin, hq, hkv, d, k_cache, v_cache,
                 rows.slots, layer.q_norm, layer.k_norm, eps,
             )  # fmt: skip
-            attn = self._kernel_attention(qkv[:, : hq * d], k_cache, v_cache, attn_meta, layer)
+            if keep and i + 1 == len(self.layers):
+                hidden, sampled = hidden.index_select(0, logits_indices), logits_indices
+                logits_indices = torch.arange(len(sampled))
+                attn = k.paged_attention(
+                    qkv.index_select(0, sampled)[:, : hq * d], k_cache, v_cache, rows.tables,
+                    rows.row_table.index_select(0, sampled), rows.row_len.index_select(0, sampled),
+                    hq, self.scaling, layer.sliding_window, None, rows.max_len,
+                )  # fmt: skip
+            else:
+                attn = self._kernel_attention(qkv[:, : hq * d], k_cache, v_cache, attn_meta, layer)
             o = _lora_linear(layer.o, attn, lora, 4 * i + 1)
             x = k.rms_norm(o, layer.post_norm, eps, residual=hidden)
             down = self._mlp(layer, x, lora, i)

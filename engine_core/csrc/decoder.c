@@ -35,13 +35,29 @@ struct zs_rows {
     const bf16 *cos, *sin;
 };
 
-/* h [rows, hidden]: the residual stream after the embedding, updated in place. Out:
- * h holds the residual before the last layer's MLP and `down` [rows, hidden] that MLP's
- * output (their sum, normed, is the last hidden state; the caller adds only the rows
- * it samples). scratch: rows x (qkv width + hq d + hidden + inter) bf16. */
-static void zs_decoder(const struct zs_layer *layers, const struct zs_shape *s,
-                       const struct zs_rows *r,
-                bf16 *h, bf16 *down, bf16 *scratch) {
+/* The kernels' attention over rows of the step: q [count, q_stride], row i reading the
+ * keys of the step's row rt[i], rl[i] of them. */
+static void attend(const struct zs_layer *l, const struct zs_shape *s, const struct zs_rows *r,
+                   const bf16 *q, int64_t q_stride, const int32_t *rt, const int32_t *rl,
+                   int64_t count, bf16 *out) {
+    zs_paged_attention(q, q_stride, l->k_cache, l->v_cache, r->tables, r->table_stride, rt, rl,
+                       count, s->hq, s->hkv, s->d, s->block_size, l->window, s->scale, s->softcap,
+                       out, s->hq * s->d, r->max_len);
+}
+
+static inline void *align64(void *p) { return (void *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
+
+/* h [rows, hidden]: the residual stream after the embedding, updated in place. Answers
+ * the residual before the last layer's MLP, and leaves in `down` [rows, hidden] that
+ * MLP's output (their sum, normed, is the last hidden state; the caller adds only the
+ * rows it samples). With keep (m rows of the step, fewer than its rows), the last layer
+ * writes every row's K and V but computes its attention, o and MLP for those rows only
+ * (no later layer reads the others: a prompt chunk's rows but its last); the answer and
+ * `down` then hold their rows 0..m-1. scratch: rows x (qkv width + hq d + hidden +
+ * inter) bf16, and with keep m x (hq d + hidden + 2) + 96 more. */
+static const bf16 *zs_decoder(const struct zs_layer *layers, const struct zs_shape *s,
+                       const struct zs_rows *r, const int64_t *keep, int64_t m, bf16 *h,
+                       bf16 *down, bf16 *scratch) {
     const int64_t n = r->rows, hid = s->hidden, qd = s->hq * s->d;
     const int64_t width = qd + 2 * s->hkv * s->d;
     bf16 *qkv = scratch, *attn = qkv + n * width, *x = attn + n * qd, *gated = x + n * hid;
@@ -51,16 +67,32 @@ static void zs_decoder(const struct zs_layer *layers, const struct zs_shape *s,
         zs_linear(x, hid, l->qkv, l->qkv_bias, n, width, hid, 0, qkv, width, 0);
         zs_rope_store(qkv, width, r->positions, r->cos, r->sin, n, s->hq, s->hkv, s->d, l->q_norm,
                       l->k_norm, s->eps, l->k_cache, l->v_cache, r->slots, s->block_size);
-        zs_paged_attention(qkv, width, l->k_cache, l->v_cache, r->tables, r->table_stride,
-                           r->row_table, r->row_len, n, s->hq, s->hkv, s->d, s->block_size,
-                           l->window, s->scale, s->softcap, attn, qd, r->max_len);
-        zs_linear(attn, qd, l->o, NULL, n, hid, qd, 0, down, hid, 0); /* o, into down's room */
-        zs_rms_norm(down, hid, h, hid, l->post_norm, x, hid, n, hid, s->eps);
-        zs_linear(x, hid, l->gate_up, NULL, n, s->inter, hid, 1, gated, s->inter, 0);
-        zs_linear(gated, s->inter, l->down, NULL, n, hid, s->inter, 0, down, hid, 0);
+        int64_t rows = n;
+        bf16 *res = h;
+        if (keep && i + 1 == s->layers) {
+            /* The kept rows' queries and residuals, gathered; they go on alone. */
+            bf16 *q = align64(gated + n * s->inter);
+            res = align64(q + m * qd);
+            int32_t *rt = align64(res + m * hid), *rl = rt + m;
+            for (int64_t j = 0; j < m; j++) {
+                memcpy(q + j * qd, qkv + keep[j] * width, qd * sizeof(bf16));
+                memcpy(res + j * hid, h + keep[j] * hid, hid * sizeof(bf16));
+                rt[j] = r->row_table[keep[j]], rl[j] = r->row_len[keep[j]];
+            }
+            attend(l, s, r, q, qd, rt, rl, rows = m, attn);
+        } else {
+            attend(l, s, r, qkv, width, r->row_table, r->row_len, n, attn);
+        }
+        zs_linear(attn, qd, l->o, NULL, rows, hid, qd, 0, down, hid, 0); /* o, into down's room */
+        zs_rms_norm(down, hid, res, hid, l->post_norm, x, hid, rows, hid, s->eps);
+        zs_linear(x, hid, l->gate_up, NULL, rows, s->inter, hid, 1, gated, s->inter, 0);
+        zs_linear(gated, s->inter, l->down, NULL, rows, hid, s->inter, 0, down, hid, 0);
         if (i + 1 < s->layers)
             zs_rms_norm(down, hid, h, hid, layers[i + 1].input_norm, x, hid, n, hid, s->eps);
+        else
+            return res;
     }
+    return h;
 }
 
 /* Mirrors cpu_decoder.StepHead: the step's token ids and where its logits go. */
@@ -90,12 +122,13 @@ int64_t zs_decoder_logits(const struct zs_layer *layers, const struct zs_shape *
         if (head->sample[j] < 0 || head->sample[j] >= n) return -(j + 1);
     for (int64_t i = 0; i < n; i++)
         memcpy(h + i * hid, head->embed + head->ids[i] * hid, hid * sizeof(bf16));
-    zs_decoder(layers, s, r, h, down, scratch);
-    const int64_t m = head->m;
+    const int64_t m = head->m, kept = m < n;
+    const bf16 *last = zs_decoder(layers, s, r, kept ? head->sample : NULL, m, h, down, scratch);
     bf16 *res = scratch, *mlp = res + m * hid, *x = mlp + m * hid;
     for (int64_t j = 0; j < m; j++) {
-        memcpy(res + j * hid, h + head->sample[j] * hid, hid * sizeof(bf16));
-        memcpy(mlp + j * hid, down + head->sample[j] * hid, hid * sizeof(bf16));
+        const int64_t row = kept ? j : head->sample[j];
+        memcpy(res + j * hid, last + row * hid, hid * sizeof(bf16));
+        memcpy(mlp + j * hid, down + row * hid, hid * sizeof(bf16));
     }
     zs_rms_norm(mlp, hid, res, hid, head->norm, x, hid, m, hid, s->eps);
     zs_linear(x, hid, head->lm_head, NULL, m, head->vocab, hid, 0, head->logits, head->vocab, 1);

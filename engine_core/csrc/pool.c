@@ -30,7 +30,7 @@
 #include "kernels.h"
 
 /* The interface version cpu_kernels.py expects (its ABI), and which build this is. */
-int zs_abi(void) { return 9; }
+int zs_abi(void) { return 10; }
 int zs_has_avx512(void) { return ZS_AVX512; }
 
 #define ZS_MAX_THREADS 256
