@@ -105,7 +105,7 @@ class FusedDecoder:
         rope: tuple[torch.Tensor, torch.Tensor],
         head: tuple[torch.Tensor, torch.Tensor, Linear],
     ) -> None:
-        self._run = kernels.decoder
+        self._run, self._scratch_len = kernels.decoder, kernels.decoder_scratch
         self.hidden, self.inter = hidden, inter
         self.hq, self.hkv, self.d = heads
         self.cos, self.sin = rope
@@ -162,10 +162,7 @@ class FusedDecoder:
         head, n, m = self.head, input_ids.shape[0], logits_indices.shape[0]
         step = self._step(n, positions, rows, kv_caches)
         h_len = n * self.hidden
-        scratch_len = n * self._scratch_width()
-        if m < n:  # the last layer's sampled rows, gathered (decoder.c)
-            scratch_len += m * (self.hq * self.d + self.hidden + 2) + 96
-        scratch_len = max(scratch_len, 3 * m * self.hidden)
+        scratch_len = self._scratch_len(ctypes.byref(self.shape), n, m)
         buffers = self._buffers
         if buffers.numel() < 2 * h_len + scratch_len:
             buffers = torch.empty(2 * h_len + scratch_len, dtype=torch.bfloat16)
@@ -184,9 +181,6 @@ class FusedDecoder:
         if bad < 0:
             raise IndexError(f"logits row {int(logits_indices[-bad - 1])} of a {n}-row step")
         return logits
-
-    def _scratch_width(self) -> int:
-        return (self.hq + 2 * self.hkv) * self.d + self.hq * self.d + self.hidden + self.inter
 
     def _step(
         self,

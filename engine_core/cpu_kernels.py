@@ -94,7 +94,7 @@ class CpuKernels:
         lib.zs_tiled_attention_enable.restype = _INT
         self._tiled_ready = lib.zs_tiled_attention_ready
         self._tiled_enable = lib.zs_tiled_attention_enable
-        self.decoder = None
+        self.decoder = self.decoder_scratch = None
         if self.has_linear:
             for name, argtypes in _LINEAR_SIGNATURES.items():
                 fn = getattr(lib, name)
@@ -106,6 +106,8 @@ class CpuKernels:
             # The forward in one call (cpu_decoder.py), on the kernels' matmul.
             lib.zs_decoder_logits.argtypes, lib.zs_decoder_logits.restype = [_P] * 7, _I64
             self.decoder = lib.zs_decoder_logits
+            lib.zs_decoder_scratch.argtypes, lib.zs_decoder_scratch.restype = [_P, _I64, _I64], _I64
+            self.decoder_scratch = lib.zs_decoder_scratch
 
     def tiled_attention(
         self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int

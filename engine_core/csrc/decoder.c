@@ -53,8 +53,7 @@ static inline void *align64(void *p) { return (void *)(((uintptr_t)p + 63) & ~(u
  * rows it samples). With keep (m rows of the step, fewer than its rows), the last layer
  * writes every row's K and V but computes its attention, o and MLP for those rows only
  * (no later layer reads the others: a prompt chunk's rows but its last); the answer and
- * `down` then hold their rows 0..m-1. scratch: rows x (qkv width + hq d + hidden +
- * inter) bf16, and with keep m x (hq d + hidden + 2) + 96 more. */
+ * `down` then hold their rows 0..m-1. scratch: as zs_decoder_scratch counts it. */
 static const bf16 *zs_decoder(const struct zs_layer *layers, const struct zs_shape *s,
                        const struct zs_rows *r, const int64_t *keep, int64_t m, bf16 *h,
                        bf16 *down, bf16 *scratch) {
@@ -95,6 +94,17 @@ static const bf16 *zs_decoder(const struct zs_layer *layers, const struct zs_sha
     return h;
 }
 
+/* The bf16 elements zs_decoder_logits's scratch holds for a step of n rows, m of them
+ * sampled: the layers' n rows (qkv, attention, x, gated); where m < n, the last layer's
+ * m queries and residuals and two int32 rows of metadata, each 64-byte aligned; the
+ * head's 3 m rows (afterwards, from the start). */
+int64_t zs_decoder_scratch(const struct zs_shape *s, int64_t n, int64_t m) {
+    const int64_t qd = s->hq * s->d, width = qd + 2 * s->hkv * s->d, head = 3 * m * s->hidden;
+    int64_t len = n * (width + qd + s->hidden + s->inter);
+    if (m < n) len += m * (qd + s->hidden) + 2 * m * (int64_t)(sizeof(int32_t) / sizeof(bf16)) + 3 * 32;
+    return len > head ? len : head;
+}
+
 /* Mirrors cpu_decoder.StepHead: the step's token ids and where its logits go. */
 struct zs_head {
     const int64_t *ids;     /* [rows] */
@@ -108,8 +118,8 @@ struct zs_head {
 };
 
 /* The whole forward of a step: h [rows, hidden] = embed[ids], the decoder layers, then
- * logits = lm_head(norm(h + down)) of the sampled rows, fp32 (the bf16 values). h, down
- * and scratch as zs_decoder takes them; scratch must also hold 3 m x hidden bf16.
+ * logits = lm_head(norm(h + down)) of the sampled rows, fp32 (the bf16 values). h and
+ * down [rows, hidden]; scratch: zs_decoder_scratch(s, rows, m) bf16.
  * Answers 0; or, computing nothing, 1 + the first row whose id is not an embedding row,
  * or -(1 + j) for a sampled row j that is not a row of the step. */
 int64_t zs_decoder_logits(const struct zs_layer *layers, const struct zs_shape *s,

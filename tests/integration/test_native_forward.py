@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 
 import pytest
@@ -303,3 +304,37 @@ def test_the_layers_in_one_kernel_call_equal_the_per_op_forward(tiny_model, arch
         decoder.logits(ids, torch.tensor([0]), meta.rows, meta.kv_caches, torch.tensor([0]))
     with pytest.raises(IndexError, match="logits row 1 of a 1-row step"):
         decoder.logits(ids - 1, torch.tensor([0]), meta.rows, meta.kv_caches, torch.tensor([1]))
+
+
+def test_the_one_call_writes_only_inside_the_scratch_it_asks_for(tiny_model):
+    # Each step runs on buffers of exactly the size zs_decoder_scratch names, with a
+    # canary after them: the call must leave the canary alone. 96 prompts whose chunks
+    # share steps with ~90 decode rows: the last layer then gathers that many sampled
+    # rows among more, the largest part of the scratch.
+    llm = LLM(
+        str(tiny_model("llama")), kv_cache_memory_bytes=SMALL_KV, model_impl="native",
+        dtype="bfloat16", device="cpu", max_num_batched_tokens=160, long_prefill_token_threshold=9,
+    )  # fmt: skip
+    runner = llm.engine.runner
+    native = runner.backend
+    decoder = native.decoder
+    if decoder is None:
+        pytest.skip("the decoder call is in the AVX512-BF16 build only")
+    canary = torch.tensor(-1234.0, dtype=torch.bfloat16)
+    kept_rows = []
+
+    def execute(plan):
+        args = runner.prepare(plan)
+        n, m = args[0].shape[0], args[3].shape[0]
+        need = 2 * n * decoder.hidden + decoder._scratch_len(ctypes.byref(decoder.shape), n, m)
+        room = torch.full((need + 4096,), canary.item(), dtype=torch.bfloat16)
+        decoder._buffers = room[:need]
+        out = native.forward(*args)
+        assert torch.equal(room[need:], torch.full((4096,), canary.item(), dtype=torch.bfloat16))
+        if m < n:
+            kept_rows.append(m)
+        return out
+
+    runner.execute = execute
+    llm.generate(make_prompts(tuple(12 + i % 9 for i in range(96))), greedy(16))
+    assert max(kept_rows) >= 64
