@@ -290,7 +290,12 @@ class NativeLlamaBackend:
                 sliding_window=layer.sliding_window,
                 attn_meta=attn_meta,
             )
-            hidden = residual + _lora_linear(layer.o, attn.reshape(n, hq * d), lora, 4 * i + 1)
+            attn = attn.reshape(n, hq * d)
+            if lora is None and len(logits_indices) < n and i + 1 == len(self.layers):
+                # The last layer's o and MLP for the sampled rows only (as the kernels').
+                residual, attn = residual[logits_indices], attn[logits_indices]
+                logits_indices = torch.arange(len(logits_indices), device=attn.device)
+            hidden = residual + _lora_linear(layer.o, attn, lora, 4 * i + 1)
             residual = hidden
             x = self._rms_norm(hidden, layer.post_norm)
             hidden = residual + self._mlp(layer, x, lora, i)
