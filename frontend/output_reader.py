@@ -36,6 +36,9 @@ class OutputReader:
         self.client = client
         self.pull = client.pull
         self._reader: tuple[asyncio.AbstractEventLoop, int] | None = None
+        # A turn is queued with call_soon: the descriptor's own callback then leaves the
+        # socket to it, so the messages are read by one chain of turns, not two.
+        self._queued = False
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -44,7 +47,7 @@ class OutputReader:
         self._reader = (loop, fd)
         # Messages may have queued before the reader was added, and ZMQ's descriptor
         # signals only changes: look once now.
-        loop.call_soon(self.on_readable)
+        self._queue_turn(loop)
 
     def stop(self) -> None:
         if self._reader is not None:
@@ -58,6 +61,8 @@ class OutputReader:
         message must be taken, or the rest waits for the next message to arrive. So this
         reads until the socket is empty, and after MESSAGES_PER_TURN messages it goes on
         in the loop's next turn rather than hold the loop."""
+        if self._queued:  # a queued turn reads on (two turns would run per loop pass)
+            return
         pull = self.pull
         for _ in range(MESSAGES_PER_TURN):
             try:
@@ -73,7 +78,15 @@ class OutputReader:
             except Exception:  # a bug here must not stop the outputs of every request
                 log.exception("failed to handle an output message")
         if self._reader is not None:
-            self._reader[0].call_soon(self.on_readable)
+            self._queue_turn(self._reader[0])
+
+    def _queue_turn(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._queued = True
+        loop.call_soon(self._queued_turn)
+
+    def _queued_turn(self) -> None:
+        self._queued = False
+        self.on_readable()
 
     def on_message(self, frames: list[zmq.Frame]) -> None:
         if len(frames) != 1:

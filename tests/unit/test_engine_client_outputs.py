@@ -41,13 +41,19 @@ def test_a_backlog_of_outputs_reaches_every_stream_a_turn_at_a_time(tmp_path):
                 push.send(b"\xc1 not msgpack")
                 push.send_multipart([b"three", b"frames", b"here"])
             out = EngineCoreOutput(s.request_id, [i], finish_reason=FinishReason.LENGTH)
-            push.send(codec.encode(EngineCoreOutputs(engine_index=0, outputs=[out])))
-        push.close(linger=-1)
-        ctx.term()  # returns once every message is handed to the receiving side
+            message = codec.encode(EngineCoreOutputs(engine_index=0, outputs=[out]))
+            if i + 1 < BACKLOG:
+                push.send(message)
         deadline = time.monotonic() + 5
         while client.pull.poll(0) == 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)  # let libzmq's I/O thread queue the rest
+        # The last message arrives after that poll took the descriptor's signal, so the
+        # reader starts with the descriptor readable as well as its first look queued
+        # (as when outputs arrive while it starts): still one turn at a time.
+        push.send(message)
+        push.close(linger=-1)
+        ctx.term()  # returns once every message is handed to the receiving side
 
         seen: list[int] = []  # streams finished, at each turn of another coroutine
 
