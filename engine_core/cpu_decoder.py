@@ -106,8 +106,7 @@ class FusedDecoder:
         head: tuple[torch.Tensor, torch.Tensor, Linear],
     ) -> None:
         self._run, self._scratch_len = kernels.decoder, kernels.decoder_scratch
-        self.hidden, self.inter = hidden, inter
-        self.hq, self.hkv, self.d = heads
+        self.hidden = hidden
         self.cos, self.sin = rope
         self.shape = ModelShape(len(layers), hidden, inter, *heads, 0, eps, scale, 0.0)
         self.layers = (LayerWeights * len(layers))()
@@ -162,7 +161,7 @@ class FusedDecoder:
         head, n, m = self.head, input_ids.shape[0], logits_indices.shape[0]
         step = self._step(n, positions, rows, kv_caches)
         h_len = n * self.hidden
-        scratch_len = self._scratch_len(ctypes.byref(self.shape), n, m)
+        scratch_len = self.scratch_len(n, m)
         buffers = self._buffers
         if buffers.numel() < 2 * h_len + scratch_len:
             buffers = torch.empty(2 * h_len + scratch_len, dtype=torch.bfloat16)
@@ -181,6 +180,11 @@ class FusedDecoder:
         if bad < 0:
             raise IndexError(f"logits row {int(logits_indices[-bad - 1])} of a {n}-row step")
         return logits
+
+    def scratch_len(self, n: int, m: int) -> int:
+        """bf16 elements of the call's scratch for n rows, m of them sampled (decoder.c
+        lays it out and counts it)."""
+        return self._scratch_len(ctypes.byref(self.shape), n, m)
 
     def _step(
         self,

@@ -266,6 +266,7 @@ class NativeLlamaBackend:
         sin = self.sin.index_select(0, positions)[:, None, :]
         lora = attn_meta.lora
         hidden = F.embedding(input_ids, self.embed)
+        pruned = False
         for i, layer in enumerate(self.layers):
             residual = hidden
             x = self._rms_norm(hidden, layer.input_norm)
@@ -294,13 +295,14 @@ class NativeLlamaBackend:
             if lora is None and len(logits_indices) < n and i + 1 == len(self.layers):
                 # The last layer's o and MLP for the sampled rows only (as the kernels').
                 residual, attn = residual[logits_indices], attn[logits_indices]
-                logits_indices = torch.arange(len(logits_indices), device=attn.device)
+                pruned = True  # the rows left are the sampled ones, in their order
             hidden = residual + _lora_linear(layer.o, attn, lora, 4 * i + 1)
             residual = hidden
             x = self._rms_norm(hidden, layer.post_norm)
             hidden = residual + self._mlp(layer, x, lora, i)
-        hidden = self._rms_norm(hidden.index_select(0, logits_indices), self.norm)
-        return self.lm_head(hidden)
+        if not pruned:
+            hidden = hidden.index_select(0, logits_indices)
+        return self.lm_head(self._rms_norm(hidden, self.norm))
 
     def _mlp(self, layer: _Layer, x: torch.Tensor, lora: LoraRows | None, i: int) -> torch.Tensor:
         """down(silu(gate) · up) of x, with the step's LoRA rows where adapters have them
@@ -342,8 +344,8 @@ class NativeLlamaBackend:
                 rows.slots, layer.q_norm, layer.k_norm, eps,
             )  # fmt: skip
             if keep and i + 1 == len(self.layers):
-                hidden, sampled = hidden.index_select(0, logits_indices), logits_indices
-                logits_indices = torch.arange(len(sampled))
+                sampled = logits_indices  # hidden, then down: those rows alone
+                hidden = hidden.index_select(0, sampled)
                 attn = k.paged_attention(
                     qkv.index_select(0, sampled)[:, : hq * d], k_cache, v_cache, rows.tables,
                     rows.row_table.index_select(0, sampled), rows.row_len.index_select(0, sampled),
@@ -356,8 +358,12 @@ class NativeLlamaBackend:
             down = self._mlp(layer, x, lora, i)
             if i + 1 < len(self.layers):
                 x = k.rms_norm(down, self.layers[i + 1].input_norm, eps, residual=hidden)
-        # Only the rows that sample need the last residual add and the final norm.
-        last = hidden.index_select(0, logits_indices) + down.index_select(0, logits_indices)
+        # Only the rows that sample need the last residual add and the final norm (with
+        # `keep`, hidden and down hold those rows alone already).
+        if keep:
+            last = hidden + down
+        else:
+            last = hidden.index_select(0, logits_indices) + down.index_select(0, logits_indices)
         return self.lm_head(k.rms_norm(last, self.norm, eps))
 
     def _kernel_attention(

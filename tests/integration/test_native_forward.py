@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import statistics
 
 import pytest
@@ -326,7 +325,7 @@ def test_the_one_call_writes_only_inside_the_scratch_it_asks_for(tiny_model):
     def execute(plan):
         args = runner.prepare(plan)
         n, m = args[0].shape[0], args[3].shape[0]
-        need = 2 * n * decoder.hidden + decoder._scratch_len(ctypes.byref(decoder.shape), n, m)
+        need = 2 * n * decoder.hidden + decoder.scratch_len(n, m)
         room = torch.full((need + 4096,), canary.item(), dtype=torch.bfloat16)
         decoder._buffers = room[:need]
         out = native.forward(*args)
