@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -10,6 +11,15 @@ from pathlib import Path
 import pytest
 
 from launcher.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def server_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The logs of the servers the tests start (tests/zserve_proc.py) go in pytest's own
+    temporary folder, which keeps the last three runs', instead of piling up in /tmp."""
+    folder = tmp_path_factory.mktemp("server-logs")
+    os.environ["ZSERVE_TEST_LOGS"] = str(folder)
+    return folder
 
 
 @pytest.fixture(scope="session")

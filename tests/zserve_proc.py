@@ -8,12 +8,19 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 ZSERVE = [sys.executable, "-m", "launcher.cli"]
+
+
+def new_log_path(prefix: str) -> Path:
+    """A fresh log file in the run's log folder (tests/conftest.py: server_logs)."""
+    folder = os.environ.get("ZSERVE_TEST_LOGS")
+    return Path(tempfile.mkstemp(prefix=prefix, suffix=".log", dir=folder)[1])
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -107,9 +114,7 @@ class ZServe:
 
     def start(self) -> ZServe:
         if self.log_path is None:
-            import tempfile
-
-            self.log_path = Path(tempfile.mkstemp(prefix="zserve-test-", suffix=".log")[1])
+            self.log_path = new_log_path("zserve-test-")
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             self.args,

@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import httpx
@@ -22,7 +21,7 @@ import pytest
 import tokenizers
 from e2e_grpc import GRPCZServe, completes, generate, request_counts, wait_for
 from smg_grpc_proto.generated.vllm_engine_pb2_grpc import VllmEngineStub
-from zserve_proc import free_port
+from zserve_proc import free_port, new_log_path
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,7 +38,7 @@ class Gateway:
 
     def __init__(self, model_path: Path, workers: list[GRPCZServe]) -> None:
         self.port = free_port()
-        self.log_path = Path(tempfile.mkstemp(prefix="smg-test-", suffix=".log")[1])
+        self.log_path = new_log_path("smg-test-")
         self.args = [
             SMG, "launch", "--host", "127.0.0.1", "--port", str(self.port),
             "--worker-urls", *(f"grpc://{w.target}" for w in workers),
