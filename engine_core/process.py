@@ -73,6 +73,7 @@ class EngineCoreProc:
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue = OutputLane()
         self.stop = threading.Event()
+        self.loading = False  # in load(): the model, the KV cache, the warm-up
         self.engine = None
         self.ready: EngineReady | None = None
         self.stats = SchedulerStats()
@@ -390,7 +391,9 @@ class EngineCoreProc:
             plan = self.handshake()
             self.connect(plan)
             self.take_lora_settings(plan)
+            self.loading = True
             self.load()
+            self.loading = False
             threads = [
                 threading.Thread(target=self.input_thread, name="engine-input", daemon=True),
                 threading.Thread(
@@ -437,8 +440,15 @@ def run_engine_core(cfg: EngineProcConfig) -> int:
     proc = EngineCoreProc(cfg)
 
     def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
+        if proc.loading:
+            # A load can take minutes and checks for nothing; the process holds nothing
+            # yet that needs closing (its sockets die with it), so end it now rather than
+            # make the supervisor wait its grace out and kill it.
+            log.info("engine %d: %s while loading the model; exiting", cfg.rank, name)
+            os._exit(0)
         if not proc.stop.is_set():
-            log.info("engine %d: %s, shutting down", cfg.rank, signal.Signals(signum).name)
+            log.info("engine %d: %s, shutting down", cfg.rank, name)
         proc.stop.set()
 
     on_signals_in_a_thread((signal.SIGTERM, signal.SIGINT), on_signal)

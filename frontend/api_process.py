@@ -69,6 +69,8 @@ class APIProcess:
         )
         self.tasks: list[asyncio.Task] = []
         self.draining: asyncio.Task | None = None
+        self.main: asyncio.Task | None = None  # serve(), set by run_api_process
+        self.door_open = False
 
     # --- the door: what a subclass provides ---------------------------------------------
 
@@ -127,6 +129,7 @@ class APIProcess:
             self.ctx.metrics.api_server_restarts.inc()
         try:
             await self.open_door()
+            self.door_open = True
             gc.collect()
             gc.freeze()  # start-up objects never need scanning again
             self.report(Serving(os.getpid()))
@@ -142,7 +145,11 @@ class APIProcess:
             self.client.close()
 
     def shutdown(self) -> None:
-        if self.draining is None:
+        """SIGTERM or SIGINT. Before the door is open nothing is in flight: stop starting
+        (waiting for engines can take as long as a model's load) instead of waiting."""
+        if not self.door_open and self.main is not None:
+            self.main.cancel()
+        elif self.draining is None:
             self.draining = asyncio.get_running_loop().create_task(self.drain())
 
     async def drain(self) -> None:
@@ -195,8 +202,11 @@ def run_api_process(cfg: APIServerConfig, pipe: Connection | None, door: type[AP
     server = door(cfg, pipe)
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, server.shutdown)
+    server.main = loop.create_task(server.serve())
     try:
-        loop.run_until_complete(server.serve())
+        loop.run_until_complete(server.main)
+    except asyncio.CancelledError:
+        log.info("API server %d: stopped before it served", cfg.client_index)
     except TimeoutError as e:
         log.error("%s", e)
         raise SystemExit(3) from None

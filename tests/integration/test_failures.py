@@ -90,8 +90,10 @@ def _health(base_url: str) -> int | None:
         return None
 
 
-def _tiny_server(tiny_model, *flags: str) -> ZServe:
-    return ZServe(str(tiny_model("llama")), "--served-model-name", MODEL, *SMALL_KV, *flags)
+def _tiny_server(tiny_model, *flags: str, **kwargs) -> ZServe:
+    return ZServe(
+        str(tiny_model("llama")), "--served-model-name", MODEL, *SMALL_KV, *flags, **kwargs
+    )
 
 
 def test_engine_death_ends_streams_with_an_error_turns_health_503_and_exits_non_zero(small_model):
@@ -329,6 +331,28 @@ def test_sigkill_of_the_supervisor_leaves_no_orphans(tiny_model):
             left = [_describe(pid) for pid in group_pids(server.proc.pid)]
             raise AssertionError(f"still running: {left}\n{server.log()[-3000:]}") from None
         assert port_is_free(server.port)
+
+
+def test_sigterm_while_the_engines_load_stops_every_process_at_once(tiny_model):
+    """Ctrl-C during start-up: the API servers (waiting for the engines) and the engines
+    (loading) end at once, instead of each waiting out the supervisor's grace to be
+    killed (STOP_GRACE_S, 10 s: the API servers did, every time)."""
+    server = _tiny_server(
+        tiny_model, "--api-server-count", "2", "--data-parallel-size", "2", wait_ready=False
+    )
+    with server:
+        # The supervisor hears hello before it sends the plan; the engine loads after.
+        _wait_for(lambda: "said hello" in server.log(), timeout=120, interval=0.01)
+        t0 = time.monotonic()
+        os.kill(server.proc.pid, signal.SIGTERM)
+        assert server.proc.wait(30) == 0
+        took = time.monotonic() - t0
+        _wait_for(lambda: not group_pids(server.proc.pid), timeout=10, interval=0.1)
+        log = server.log()
+        assert "did not stop" not in log, log[-3000:]
+        assert log.count("stopped before it served") == 2, log[-3000:]
+        assert "while loading the model; exiting" in log, log[-3000:]
+        print(f"start-up stopped in {took:.2f} s")
 
 
 def test_a_burst_of_sigterms_ends_an_idle_engine_every_time(tiny_model):
