@@ -7,9 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import signal
-import tempfile
 
 import zmq
 
@@ -23,6 +21,7 @@ from launcher.monitor import monitor
 from launcher.plan import LaunchPlan
 from launcher.port import PortBusyError, claim_port
 from launcher.process_setup import raise_open_files_limit
+from launcher.runtime_dir import RuntimeDir, sweep_stale
 from protocol.handshake import EnginePlan, ProtocolVersionError
 from protocol.keys import EngineKeysError, engine_keys, start_authenticator
 from protocol.sockets import CurveKeys
@@ -41,7 +40,9 @@ class Supervisor:
         self.plan = plan
         self.topology = plan.topology
         self.zmq = zmq.Context()
-        self.runtime_dir = tempfile.mkdtemp(prefix=f"zserve-{os.getpid()}-")
+        sweep_stale()
+        self.runtime = RuntimeDir()
+        self.runtime_dir = self.runtime.path
         self.api_servers: APIServers | None = None
         self.engines: EngineSet = LocalEngines()  # or RayEngines (connect_ray)
         self.stop_signal: int | None = None
@@ -222,7 +223,7 @@ class Supervisor:
         self.zmq.destroy(linger=0)
         if self.port_holder is not None:
             self.port_holder.close()
-        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        self.runtime.close()
 
 
 class _Stop(Exception):

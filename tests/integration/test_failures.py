@@ -13,6 +13,8 @@ import httpx
 import pytest
 from zserve_proc import ZServe, group_pids, port_is_free, server_info
 
+from launcher.runtime_dir import sweep_stale
+
 pytestmark = pytest.mark.timeout(180)
 
 MODEL = "tiny"
@@ -317,8 +319,13 @@ def test_sigterm_drains_in_flight_requests_then_aborts_the_rest(small_model, lon
         assert port_is_free(server.port)
 
 
-def test_sigkill_of_the_supervisor_leaves_no_orphans(tiny_model):
-    server = _tiny_server(tiny_model, "--api-server-count", "2", "--data-parallel-size", "2")
+def test_sigkill_of_the_supervisor_leaves_no_orphans(tiny_model, tmp_path):
+    # The runtime folder (sockets, metrics shards) goes in tmp_path: TMPDIR for the server.
+    server = ZServe(
+        str(tiny_model("llama")), "--served-model-name", MODEL, *SMALL_KV,
+        "--api-server-count", "2", "--data-parallel-size", "2",
+        env={"TMPDIR": str(tmp_path)},
+    )  # fmt: skip
     with server:
         pids = server.pids()
         assert len(pids) >= 5
@@ -331,6 +338,20 @@ def test_sigkill_of_the_supervisor_leaves_no_orphans(tiny_model):
             left = [_describe(pid) for pid in group_pids(server.proc.pid)]
             raise AssertionError(f"still running: {left}\n{server.log()[-3000:]}") from None
         assert port_is_free(server.port)
+    # A killed supervisor cannot remove its folder; the next server on the node does.
+    left = list(tmp_path.glob(f"zserve-{server.proc.pid}-*"))
+    assert len(left) == 1 and (left[0] / "api0-in").exists()
+    survivor = ZServe(
+        str(tiny_model("llama")), "--served-model-name", MODEL, *SMALL_KV,
+        env={"TMPDIR": str(tmp_path)},
+    )  # fmt: skip
+    with survivor:
+        assert not left[0].exists()
+        assert "removed 1 runtime folder(s) left by killed servers" in survivor.log()
+        # its own folder stays while it runs, however often a sweep looks
+        assert sweep_stale(str(tmp_path)) == []
+        assert len(list(tmp_path.glob(f"zserve-{survivor.proc.pid}-*"))) == 1
+    assert not list(tmp_path.glob("zserve-*"))  # a clean stop leaves nothing
 
 
 def test_sigterm_while_the_engines_load_stops_every_process_at_once(tiny_model):
