@@ -99,7 +99,7 @@ class APIProcess:
         """Tell the supervisor, which stops the server so an orchestrator restarts it
         (or, with --engine-restart-policy on-failure, starts that engine again)."""
         incarnation = engine.ready.incarnation if engine.ready else -1
-        self.report(EngineDead(engine.rank, engine.dead_reason, incarnation))
+        self.report(EngineDead(engine.rank, engine.dead_reason, incarnation, engine.dead_stuck))
 
     def on_control_message(self) -> None:
         """Messages from the supervisor on our pipe."""

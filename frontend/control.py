@@ -32,6 +32,8 @@ class EngineDead:
     # Which start of the rank died (EngineReady.incarnation); -1: whichever runs now.
     # A report about an earlier one is stale once the rank has re-joined.
     incarnation: int = -1
+    # Hung or silent rather than gone: its process may still run (EngineState.dead_stuck).
+    stuck: bool = False
 
 
 ControlMessage = EndpointsBound | Serving | EngineDead

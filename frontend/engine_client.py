@@ -153,6 +153,7 @@ class EngineClient:
         engine.ready = ready
         engine.alive = True
         engine.dead_reason = ""
+        engine.dead_stuck = False
         engine.stats = SchedulerStats()
         engine.in_flight = 0
         engine.last_seen = engine.steps_changed_at = now
@@ -334,6 +335,7 @@ class EngineClient:
                     self.mark_dead(
                         engine,
                         f"no message for {silent:.1f} s (--engine-heartbeat-timeout {timeout:g})",
+                        stuck=True,
                     )
                 elif busy and now - engine.steps_changed_at > timeout:
                     self._check_step(engine, now, timeout)
@@ -344,16 +346,19 @@ class EngineClient:
         stalled = f"hung: no engine step for {now - engine.steps_changed_at:.1f} s"
         flag = f"--engine-heartbeat-timeout {timeout:g}"
         if now - engine.computing_at > timeout:
-            self.mark_dead(engine, f"{stalled} while it has work ({flag})")
+            self.mark_dead(engine, f"{stalled} while it has work ({flag})", stuck=True)
         elif now - engine.steps_changed_at > LONGEST_STEP_TIMEOUTS * timeout:
             longest = f"a step may take {LONGEST_STEP_TIMEOUTS} x {flag}"
-            self.mark_dead(engine, f"{stalled}, computing all along ({longest})")
+            self.mark_dead(engine, f"{stalled}, computing all along ({longest})", stuck=True)
 
-    def mark_dead(self, engine: EngineState, reason: str) -> None:
+    def mark_dead(self, engine: EngineState, reason: str, stuck: bool = False) -> None:
+        """`stuck`: its process may still run (silent, or not stepping), as opposed
+        to gone or unreachable; the supervisor then has it dump its stacks."""
         if not engine.alive:
             return
         engine.alive = False
         engine.dead_reason = reason
+        engine.dead_stuck = stuck
         log.error("engine %d is dead: %s", engine.rank, reason)
         self._fail_streams(engine, EngineDeadError(f"engine {engine.rank} died: {reason}"))
         if not any(e.alive for e in self.engines):

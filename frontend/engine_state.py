@@ -28,6 +28,7 @@ class EngineState:
     in_flight: int = 0  # this API server's sequences on this engine (a beam search: n)
     alive: bool = True
     dead_reason: str = ""
+    dead_stuck: bool = False  # declared dead while its process may still run (hung, silent)
     last_seen: float = 0.0
     # When stats.num_steps or num_waits last moved (hang detection).
     steps_changed_at: float = 0.0

@@ -109,6 +109,7 @@ def stop_all(processes: list[BaseProcess], grace_s: float) -> None:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in alive:
         if p.is_alive():
-            log.warning("%s did not stop in %.0f s; killing it", p.name, grace_s)
+            if grace_s > 0:  # none: the kill is the plan, not news
+                log.warning("%s did not stop in %.0f s; killing it", p.name, grace_s)
             p.kill()
             p.join(5)

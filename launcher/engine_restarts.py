@@ -63,7 +63,7 @@ class EngineRestarts:
         log.error(
             "engine %d: %s; restarting it (incarnation %d)", death.rank, death.reason, incarnation
         )
-        self.engines.stop(death.rank)  # a hung one is still running
+        self.engines.stop(death.rank, dump_stacks=death.stuck)  # a hung one still runs
         self.incarnations[death.rank] = incarnation
         self.pending[death.rank] = now + self.ready_timeout_s
         self.start(death.rank, incarnation)

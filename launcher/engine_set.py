@@ -4,13 +4,21 @@ restarts see only this interface."""
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from launcher.children import Child, check_alive, describe, spawn_engine, stop_all
+from launcher.process_setup import STACKS_SIGNAL
 
 if TYPE_CHECKING:
     from engine_core.config import EngineProcConfig
+
+log = logging.getLogger("zserve.supervisor")
+
+# How long a hung engine gets to write its stacks (faulthandler, in C) before SIGKILL.
+STACKS_WAIT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -20,6 +28,7 @@ class EngineExit:
     rank: int
     incarnation: int
     reason: str
+    stuck: bool = False  # hung or silent: its process may still run (EngineDead.stuck)
 
 
 class EngineSet(Protocol):
@@ -36,8 +45,9 @@ class EngineSet(Protocol):
     def check_alive(self) -> None:
         """During start-up: raise StartupError if an engine has exited."""
 
-    def stop(self, rank: int) -> None:
-        """Stop engine `rank` now (it hangs, or died), before it is started again."""
+    def stop(self, rank: int, dump_stacks: bool = False) -> None:
+        """Stop engine `rank` now (it hangs, or died), before it is started again or the
+        server fails; `dump_stacks`: it hangs, so first have it write where."""
 
     def stop_all(self, grace_s: float) -> None:
         """Stop every engine: a signal to end, then force after grace_s."""
@@ -72,10 +82,22 @@ class LocalEngines:
     def check_alive(self) -> None:
         check_alive(list(self.children.values()), starting=True)
 
-    def stop(self, rank: int) -> None:
+    def stop(self, rank: int, dump_stacks: bool = False) -> None:
         child = self.children.pop(rank, None)
-        if child is not None:
-            stop_all([child.process], grace_s=0.0)
+        if child is None:
+            return
+        if dump_stacks and child.process.is_alive():
+            log.error(
+                "%s (pid %d) hangs: its threads' stacks follow, then it is killed",
+                child.name,
+                child.process.pid,
+            )
+            try:
+                os.kill(child.process.pid, STACKS_SIGNAL)
+            except ProcessLookupError:
+                pass
+            child.process.join(STACKS_WAIT_S)  # it goes on (or stays stopped); the dump is out
+        stop_all([child.process], grace_s=0.0)
 
     def stop_all(self, grace_s: float) -> None:
         stop_all([c.process for c in self.children.values()], grace_s=grace_s)

@@ -48,13 +48,15 @@ def monitor(
                 message = _read(child)
                 if isinstance(message, EngineDead):
                     reason = f"engine {message.rank}: {message.reason}"
-                    deaths.append(EngineExit(message.rank, message.incarnation, reason))
+                    deaths.append(
+                        EngineExit(message.rank, message.incarnation, reason, message.stuck)
+                    )
             else:
                 api_servers.restart(child)
         for death in deaths:
             failure = death.reason if restarts is None else _restart(api_servers, restarts, death)
             if failure is not None:
-                return _engine_failed(api_servers, death.rank, failure)
+                return _engine_failed(api_servers, death.rank, failure, engines, death.stuck)
         failure = restarts.poll() if restarts is not None else None
         if failure is not None:
             return _engine_failed(api_servers, -1, failure)
@@ -77,8 +79,16 @@ def _read(child) -> object:
         return None
 
 
-def _engine_failed(api_servers: APIServers | None, rank: int, reason: str) -> int:
+def _engine_failed(
+    api_servers: APIServers | None,
+    rank: int,
+    reason: str,
+    engines: EngineSet | None = None,
+    stuck: bool = False,
+) -> int:
     log.error("%s; failing the server", reason)
+    if stuck and engines is not None:  # no shutdown grace for an engine that hangs
+        engines.stop(rank, dump_stacks=True)
     if api_servers is not None and rank >= 0:
         api_servers.tell_engine_dead(rank, reason)
     time.sleep(ENGINE_DEATH_GRACE_S)

@@ -4,9 +4,11 @@ entry points apply these to each child (child_main.py); the supervisor to itself
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import resource
+import signal
 
 from launcher.logs import setup_logging
 from protocol.process_life import die_with_parent, name_process
@@ -17,6 +19,10 @@ log = logging.getLogger("zserve.supervisor")
 # a ceiling on what a flood of connections can make one process hold.
 OPEN_FILES = 65_536
 
+# `kill -USR1 <pid>` of any zserve process: every thread's Python stack on its stderr
+# (the server's log). The supervisor sends it to a hung engine before it kills it.
+STACKS_SIGNAL = signal.SIGUSR1
+
 
 def set_up_child(role: str, log_level: str, parent_pid: int | None, cpus: list[int] | None) -> None:
     """A spawned child's first act, e.g. role "api1" or "engine0": its log lines, its
@@ -26,6 +32,13 @@ def set_up_child(role: str, log_level: str, parent_pid: int | None, cpus: list[i
     die_with_parent(parent_pid)
     name_process(f"zserve-{role}")
     pin_to_cpus(cpus)
+    dump_stacks_on_signal()
+
+
+def dump_stacks_on_signal() -> None:
+    """Written by faulthandler's C handler: it works while a thread holds the GIL in a
+    kernel that never returns, which is when it is needed."""
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
 
 
 def pin_to_cpus(cpus: list[int] | None) -> None:

@@ -160,7 +160,8 @@ class RayEngines:
             return
         raise StartupError(f"{death.reason} during start-up")
 
-    def stop(self, rank: int) -> None:
+    def stop(self, rank: int, dump_stacks: bool = False) -> None:
+        # dump_stacks: a Ray actor's stacks are Ray's to show (`ray stack`).
         with self.lock:
             actor = self.actors.pop(rank, None)
             for ref, (r, _) in list(self.runs.items()):

@@ -20,7 +20,7 @@ from launcher.engine_set import EngineSet, LocalEngines
 from launcher.monitor import monitor
 from launcher.plan import LaunchPlan
 from launcher.port import PortBusyError, claim_port
-from launcher.process_setup import raise_open_files_limit
+from launcher.process_setup import dump_stacks_on_signal, raise_open_files_limit
 from launcher.runtime_dir import RuntimeDir, sweep_stale
 from protocol.handshake import EnginePlan, ProtocolVersionError
 from protocol.keys import EngineKeysError, engine_keys, start_authenticator
@@ -56,6 +56,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         raise_open_files_limit()
+        dump_stacks_on_signal()
         try:
             self.load_keys()
             if self.topology.headless:
