@@ -13,7 +13,7 @@ import zmq
 
 from engine_core.config import EngineProcConfig
 from protocol.handshake import EngineHello, EnginePlan, decode_handshake, encode_handshake
-from protocol.messages import PROTOCOL_VERSION
+from protocol.messages import PROTOCOL_VERSION, EngineReady
 from protocol.sockets import make_socket, needs_curve, rank_identity
 
 
@@ -78,3 +78,28 @@ def connect_links(
         sock.connect(address)
         outputs.append(sock)
     return inputs, outputs
+
+
+def ready_announcement(engine, cfg: EngineProcConfig) -> EngineReady:
+    """READY, as the supervisor and every API server hear it, of a loaded EngineCore."""
+    return EngineReady(
+        protocol_version=PROTOCOL_VERSION,
+        rank=cfg.rank,
+        max_model_len=engine.max_model_len,
+        num_kv_blocks=engine.num_kv_blocks,
+        block_size=engine.block_size,
+        dtype=engine.dtype,
+        device=engine.device,
+        vocab_size=engine.vocab_size,
+        pid=os.getpid(),
+        hostname=socket.gethostname(),
+        max_request_tokens=engine.max_request_tokens,
+        eos_token_ids=sorted(engine.eos_token_ids),
+        architecture=engine.architecture,
+        model_type=engine.model_type,
+        bos_token_id=engine.bos_token_id,
+        pad_token_id=engine.pad_token_id,
+        incarnation=cfg.incarnation,
+        node_id=cfg.node_id,
+        max_beam_width=engine.max_beam_width,
+    )

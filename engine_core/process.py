@@ -17,7 +17,6 @@ import logging
 import os
 import queue
 import signal
-import socket
 import threading
 import time
 
@@ -27,13 +26,17 @@ from zmq.utils.monitor import recv_monitor_message
 from engine_core.client_load import HEARTBEAT_S, STATS_INTERVAL_S, ClientLoad, load_key
 from engine_core.config import EngineProcConfig
 from engine_core.device import release_free_memory
-from engine_core.engine_links import await_plan, connect_links, open_handshake
+from engine_core.engine_links import (
+    await_plan,
+    connect_links,
+    open_handshake,
+    ready_announcement,
+)
 from engine_core.output_thread import DEAD, HEARTBEAT, LOAD, OutputLane, run_output_thread
 from engine_core.utility_calls import dispatch, failure_message
 from protocol import codec
 from protocol.handshake import EnginePlan, encode_handshake
 from protocol.messages import (
-    PROTOCOL_VERSION,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -112,28 +115,7 @@ class EngineCoreProc:
 
         self.engine = EngineCore(self.cfg.engine)
         self.controls = EngineControls(self, self.engine, self.cfg.engine.profiler)
-        e = self.engine
-        self.ready = EngineReady(
-            protocol_version=PROTOCOL_VERSION,
-            rank=self.rank,
-            max_model_len=e.max_model_len,
-            num_kv_blocks=e.num_kv_blocks,
-            block_size=e.block_size,
-            dtype=e.dtype,
-            device=e.device,
-            vocab_size=e.vocab_size,
-            pid=os.getpid(),
-            hostname=socket.gethostname(),
-            max_request_tokens=e.max_request_tokens,
-            eos_token_ids=sorted(e.eos_token_ids),
-            architecture=e.architecture,
-            model_type=e.model_type,
-            bos_token_id=e.bos_token_id,
-            pad_token_id=e.pad_token_id,
-            incarnation=self.cfg.incarnation,
-            node_id=self.cfg.node_id,
-            max_beam_width=e.max_beam_width,
-        )
+        self.ready = ready_announcement(self.engine, self.cfg)
 
     def announce(self) -> None:
         """READY to the supervisor; the API servers hear from the input thread."""
@@ -392,8 +374,10 @@ class EngineCoreProc:
             self.connect(plan)
             self.take_lora_settings(plan)
             self.loading = True
-            self.load()
-            self.loading = False
+            try:
+                self.load()
+            finally:
+                self.loading = False  # a failed load exits with its own code
             threads = [
                 threading.Thread(target=self.input_thread, name="engine-input", daemon=True),
                 threading.Thread(
