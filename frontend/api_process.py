@@ -49,7 +49,7 @@ class APIProcess:
         )
         self.client.on_engine_dead = self.on_engine_dead
         self.report(EndpointsBound(self.client.input_address, self.client.output_address))
-        self.renderer = Renderer(fc.tokenizer_dir, fc.model_dir, fc.chat_template)
+        self.renderer = Renderer(fc.tokenizer_dir, fc.chat_template)
         self.admission = Admission(
             cfg.admission_path,
             cfg.client_index,

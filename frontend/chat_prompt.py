@@ -60,7 +60,8 @@ async def render_messages(
     """The conversation as prompt text, through the model's (or a trusted request's)
     chat template, with `tools` (validated) as transformers' templates take them; any
     failure of the template is the request's fault: a 400."""
-    kwargs = dict(chat_template_kwargs or {})
+    # --default-chat-template-kwargs under the request's own (checked at start)
+    kwargs = {**ctx.config.default_chat_template_kwargs, **(chat_template_kwargs or {})}
     if "chat_template" in kwargs:
         chat_template = kwargs.pop("chat_template")
     if chat_template is not None and not ctx.config.trust_request_chat_template:
@@ -70,7 +71,7 @@ async def render_messages(
             param="chat_template",
         )
     # These are the renderer's own arguments, not template variables.
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if reserved:
         raise APIError(
             f"chat_template_kwargs: {reserved[0]!r} is not a template variable; use the "
@@ -124,7 +125,7 @@ def template_error(e: Exception) -> APIError:
     )
 
 
-_RESERVED_TEMPLATE_KWARGS = frozenset(
+RESERVED_TEMPLATE_KWARGS = frozenset(
     {
         "conversation",
         "messages",

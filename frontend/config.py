@@ -76,6 +76,12 @@ class FrontendConfig:
     enable_lora: bool = False
     lora_modules: list[LoraModule] = field(default_factory=list)
     enable_runtime_lora_updating: bool = False
+    # vLLM's --generation-config / --override-generation-config (launcher/generation_config.py):
+    # request fields' defaults, and the cap on every request's max_tokens.
+    sampling_defaults: dict = field(default_factory=dict)
+    max_tokens_ceiling: int | None = None
+    response_role: str = "assistant"  # --response-role
+    default_chat_template_kwargs: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -6,25 +6,22 @@ and the raw `tokenizers.Tokenizer` underneath it for the hot paths.
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("zserve.renderer")
 
 
 class Renderer:
-    def __init__(self, tokenizer_dir: str, model_dir: str, chat_template: str | None = None):
+    def __init__(self, tokenizer_dir: str, chat_template: str | None = None):
         from transformers import PreTrainedTokenizerFast
 
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
         self.raw = self.tokenizer.backend_tokenizer
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
-        # The model's sampling defaults (sampling.generation_defaults); what the model
-        # is (vocabulary, context, EOS) the engines announce (EngineReady).
-        self.generation_config = _read_json(Path(model_dir) / "generation_config.json")
+        # What the model is (vocabulary, context, EOS) the engines announce (EngineReady);
+        # its sampling defaults come with the config (launcher/generation_config.py).
         # No token stands for more characters than its longest vocabulary entry (byte-level
         # and metaspace entries spell their text; byte-fallback entries spell more), so a
         # text longer than max_model_len times this cannot fit the context.
@@ -73,10 +70,3 @@ class Renderer:
             chat_template=chat_template,
             **(template_kwargs or {}),
         )
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}

@@ -15,15 +15,8 @@ from protocol.messages import SamplingParams
 if TYPE_CHECKING:
     from frontend.serving import ServingContext
 
-# generation_config.json keys that act as server-side defaults (request values win).
-_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # The most ids of logprob_token_ids (vLLM's limit).
 MAX_LOGPROB_TOKEN_IDS = 128
-
-
-def generation_defaults(generation_config: dict) -> dict:
-    """vLLM's rule: the model's generation_config supplies defaults for sampling fields."""
-    return {k: generation_config[k] for k in _DEFAULT_KEYS if k in generation_config}
 
 
 def context_length_error(num_prompt_tokens: int, max_model_len: int) -> APIError:
@@ -190,6 +183,11 @@ def sampling_params(
         logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in req.logit_bias.items()}
         check_token_ids(logit_bias, vocab_size, "logit_bias")
     defaults = ctx.defaults
+    if max_tokens is None:  # chat's unset max_tokens: --generation-config's, else the context
+        max_tokens = defaults.get("max_tokens")
+    ceiling = ctx.config.max_tokens_ceiling  # max_new_tokens of --override-generation-config
+    if ceiling is not None and (max_tokens is None or max_tokens > ceiling):
+        max_tokens = ceiling
 
     def pick(name: str, fallback):
         value = getattr(req, name)
@@ -206,8 +204,8 @@ def sampling_params(
         top_k=0 if top_k in (None, -1) or top_k >= vocab_size else int(top_k),
         min_p=float(pick("min_p", 0.0)),
         repetition_penalty=float(pick("repetition_penalty", 1.0)),
-        presence_penalty=float(req.presence_penalty or 0.0),
-        frequency_penalty=float(req.frequency_penalty or 0.0),
+        presence_penalty=float(pick("presence_penalty", 0.0)),
+        frequency_penalty=float(pick("frequency_penalty", 0.0)),
         seed=req.seed,
         min_tokens=req.min_tokens,
         stop_token_ids=list(req.stop_token_ids or []),

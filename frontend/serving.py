@@ -22,7 +22,7 @@ from frontend.metrics import Metrics
 from frontend.openai_models import SamplingFields
 from frontend.renderer import Renderer
 from frontend.request_inputs import RequestInputs
-from frontend.sampling import Truncation, context_length_error, generation_defaults
+from frontend.sampling import Truncation, context_length_error
 from frontend.tokenizer_pool import INLINE_CHARS, TokenizerPool
 from protocol.messages import SamplingParams
 
@@ -53,7 +53,8 @@ class ServingContext:
         self.tokenizers = tokenizers
         self.model_name = config.served_model_names[0]
         self.chat_parsers = load_chat_parsers(config)  # tool and reasoning formats
-        self.defaults = generation_defaults(renderer.generation_config)
+        # --generation-config: the fields a request leaves unset (launcher/generation_config.py)
+        self.defaults = config.sampling_defaults
         self.client_index = client.client_index
         self.pid = os.getpid()
         self.in_flight = 0  # HTTP requests being handled, any route

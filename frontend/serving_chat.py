@@ -149,7 +149,7 @@ class ChatView(StreamingView):
         self.echoes: list[str] = []
         for messages in conversations:
             last = messages[-1]
-            role = "assistant" if body.add_generation_prompt else last.role
+            role = ctx.config.response_role if body.add_generation_prompt else last.role
             self.roles.append(role)
             echo = body.echo and last.role == role
             self.echoes.append(message_dicts([last])[0]["content"] if echo else "")

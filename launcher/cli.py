@@ -26,11 +26,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_tiny(sub)
     add_keys(sub)
     add_bench(sub)
+    parser.subcommands = sub.choices  # name → its parser
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":  # vLLM's --config FILE.yaml
+        from launcher.config_file import ConfigFileError, expand_config_file
+
+        serve = parser.subcommands["serve"]
+        try:
+            argv = ["serve", *expand_config_file(argv[1:], serve)]
+        except ConfigFileError as e:
+            serve.error(str(e))
+    args = parser.parse_args(argv)
     code = args.run(args)
     return int(code or 0)
 

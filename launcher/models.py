@@ -13,8 +13,9 @@ class ModelNotFoundError(RuntimeError):
     pass
 
 
-def resolve_model(name: str, revision: str | None = None) -> str:
-    """An absolute folder holding config.json for `name` (a path or a cached HF id)."""
+def resolve_model(name: str, revision: str | None = None, cache_dir: str | None = None) -> str:
+    """An absolute folder holding config.json for `name` (a path or an HF id cached in
+    `cache_dir`, vLLM's --download-dir, or the default cache)."""
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -26,10 +27,15 @@ def resolve_model(name: str, revision: str | None = None) -> str:
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        folder = snapshot_download(name, revision=revision, local_files_only=True)
+        folder = snapshot_download(
+            name, revision=revision, cache_dir=cache_dir, local_files_only=True
+        )
     except (LocalEntryNotFoundError, FileNotFoundError, OSError) as e:
         cache = (
-            os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+            cache_dir
+            or os.environ.get("HF_HUB_CACHE")
+            or os.environ.get("HF_HOME")
+            or "~/.cache/huggingface"
         )
         raise ModelNotFoundError(
             f"model {name!r} is neither a local folder nor in the local Hugging Face cache "

@@ -19,11 +19,13 @@ from dataclasses import dataclass
 from engine_core.config import EngineConfig, cpu_thread_count
 from frontend.chat_tools import load_chat_parsers
 from frontend.config import FrontendConfig
+from launcher.generation_config import GenerationConfigError
 from launcher.limit_args import request_limits
 from launcher.lora_flags import lora_config, refuse_lora, runtime_lora_updating
 from launcher.models import ModelNotFoundError, resolve_model
 from launcher.ray_placement import RayPlan
 from launcher.structured_outputs_flag import frontend_options, grammar_config
+from launcher.vllm_compat import apply_compat_flags, compat_refusal
 from protocol.sockets import ipc_address, tcp_address
 
 log = logging.getLogger("zserve.supervisor")
@@ -89,13 +91,15 @@ class LaunchPlan:
 def plan_launch(args: argparse.Namespace) -> LaunchPlan:
     """The whole plan of `zserve serve ARGS`: refusals first, then the model's folders
     (building the default model if none is named), then the configs."""
-    problem = refuse_unsupported(args)
+    problem = refuse_unsupported(args) or compat_refusal(args)
     if problem:
         raise LaunchRefused(problem)
     try:
         model_dir = _model_dir(args)
         tokenizer_dir = (
-            resolve_model(args.tokenizer, args.revision) if args.tokenizer else model_dir
+            resolve_model(args.tokenizer, args.revision, args.download_dir)
+            if args.tokenizer
+            else model_dir
         )
     except ModelNotFoundError as e:
         raise LaunchRefused(str(e)) from None
@@ -116,6 +120,10 @@ def build_plan(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) -> 
         frontend.enable_lora = lora is not None
         frontend.lora_modules = [] if lora is None else list(lora.modules)
         frontend.enable_runtime_lora_updating = runtime_lora_updating(args)
+        try:
+            apply_compat_flags(frontend, args)
+        except GenerationConfigError as e:
+            raise LaunchRefused(str(e)) from None
     return LaunchPlan(
         topology=topology,
         engine=dataclasses.replace(
@@ -310,7 +318,7 @@ def _chat_template(flag: str | None) -> str | None:
 
 def _model_dir(args: argparse.Namespace) -> str:
     if args.model is not None:
-        return resolve_model(args.model, args.revision)
+        return resolve_model(args.model, args.revision, args.download_dir)
     from launcher.tiny_model import ensure_default_model
 
     folder = ensure_default_model()

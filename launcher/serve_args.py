@@ -26,6 +26,7 @@ from launcher.serve_feature_args import (
     add_lora_args,
     add_ray_args,
 )
+from launcher.vllm_compat import add_compat_args
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -353,6 +354,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--log-level", default="INFO")
 
     add_ray_args(p)
+
+    add_compat_args(p)
 
 
 def _run(args: argparse.Namespace) -> int:

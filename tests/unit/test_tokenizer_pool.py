@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def renderer(tiny_model) -> Renderer:
     path = str(tiny_model("llama"))
-    return Renderer(path, path)
+    return Renderer(path)
 
 
 def run(coro):

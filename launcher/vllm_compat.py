@@ -1,0 +1,173 @@
+"""vLLM flags that a vLLM command line carries, so that it starts zserve unchanged.
+
+Each flag keeps its vLLM meaning. Some act (the sampling defaults, the response role,
+the chat template's default arguments, the download folder); some name what zserve
+always does, and are logged as such; a value that would ask for what zserve does not
+do (an fp8 KV cache, a non-safetensors checkpoint, whole prompts without chunking) is
+refused at start with the reason, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import TYPE_CHECKING
+
+from launcher.generation_config import GenerationConfigError, generation_defaults, override_json
+
+if TYPE_CHECKING:
+    from frontend.config import FrontendConfig
+
+log = logging.getLogger("zserve.supervisor")
+
+# flag → (accepted values, what zserve does instead of the others)
+_ONLY = {
+    "kv_cache_dtype": (("auto",), "the KV cache is kept in the model's dtype (--dtype)"),
+    "load_format": (("auto", "safetensors"), "zserve reads safetensors checkpoints only"),
+    "tokenizer_mode": (("auto", "hf"), "zserve uses the Hugging Face fast tokenizer"),
+}
+# flag → what zserve does that makes it hold already
+_ALWAYS = {
+    "enforce_eager": "zserve runs eagerly always (no CUDA graphs, no torch.compile)",
+    "enable_chunked_prefill": "zserve always splits prompts into --max-num-batched-tokens chunks",
+    "disable_uvicorn_access_log": "zserve's API servers write no access log",
+    "enable_sleep_mode": "sleep mode is always available (POST /sleep with --enable-dev-routes)",
+    "async_scheduling": "zserve's engine schedules each step after the last; no effect",
+}
+
+
+def add_compat_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "vLLM compatibility", "vLLM's flags with vLLM's meanings (see launcher/vllm_compat.py)"
+    )
+    g.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML file of flags (name: value), read before the command line, which wins",
+    )
+    g.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults: auto (the model's generation_config.json), vllm (none), or a "
+        "folder holding a generation_config.json",
+    )
+    g.add_argument(
+        "--override-generation-config",
+        type=_json_type(override_json),
+        default={},
+        help="JSON over those defaults, e.g. '{\"temperature\": 0.5}'; max_new_tokens caps "
+        "every request's max_tokens",
+    )
+    g.add_argument(
+        "--response-role",
+        default="assistant",
+        help="role of chat responses when add_generation_prompt is true",
+    )
+    g.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_type(_template_kwargs),
+        default={},
+        help="JSON object of chat template arguments under each request's "
+        "chat_template_kwargs, e.g. '{\"enable_thinking\": false}'",
+    )
+    g.add_argument(
+        "--chat-template-content-format",
+        choices=["auto", "string", "openai"],
+        default="auto",
+        help="zserve gives templates each message's text as a string (string; auto is "
+        "that too); openai is refused",
+    )
+    g.add_argument(
+        "--download-dir",
+        default=None,
+        help="Hugging Face cache folder to find model ids in (nothing is downloaded)",
+    )
+    g.add_argument("--kv-cache-dtype", default="auto", help="auto only")
+    g.add_argument("--load-format", default="auto", help="auto or safetensors")
+    g.add_argument("--tokenizer-mode", default="auto", help="auto or hf")
+    g.add_argument("--enforce-eager", action="store_true", help=_ALWAYS["enforce_eager"])
+    g.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=_ALWAYS["enable_chunked_prefill"] + "; --no-enable-chunked-prefill is refused",
+    )
+    g.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help=_ALWAYS["disable_uvicorn_access_log"],
+    )
+    g.add_argument("--enable-sleep-mode", action="store_true", help=_ALWAYS["enable_sleep_mode"])
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=_ALWAYS["async_scheduling"],
+    )
+
+
+def compat_refusal(args: argparse.Namespace) -> str | None:
+    """Why these vLLM flags cannot start zserve as asked; None: they can."""
+    for name, (accepted, instead) in _ONLY.items():
+        value = getattr(args, name)
+        if value not in accepted:
+            flag = "--" + name.replace("_", "-")
+            return f"{flag} {value} is not supported: {instead} (accepted: {', '.join(accepted)})"
+    if args.enable_chunked_prefill is False:
+        return (
+            "--no-enable-chunked-prefill is not supported: "
+            + _ALWAYS["enable_chunked_prefill"]
+            + " (a larger --max-num-batched-tokens gives fewer, longer chunks)"
+        )
+    if args.chat_template_content_format == "openai":
+        return (
+            "--chat-template-content-format openai is not supported: zserve gives chat "
+            "templates each message's text as a string (string)"
+        )
+    return None
+
+
+def apply_compat_flags(frontend: FrontendConfig, args: argparse.Namespace) -> None:
+    """What these flags set in the API servers' config; one log line for each flag that
+    names what zserve does anyway. Raises GenerationConfigError."""
+    defaults = generation_defaults(
+        args.generation_config, frontend.model_dir, args.override_generation_config
+    )
+    frontend.sampling_defaults = defaults.sampling
+    frontend.max_tokens_ceiling = defaults.max_tokens_ceiling
+    frontend.response_role = args.response_role
+    frontend.default_chat_template_kwargs = args.default_chat_template_kwargs
+    for name, meaning in _ALWAYS.items():
+        if getattr(args, name):
+            log.info("--%s: %s", name.replace("_", "-"), meaning)
+
+
+def _json_type(parse):
+    """An argparse type from a parser that raises GenerationConfigError."""
+
+    def convert(text: str) -> dict:
+        try:
+            return parse(text)
+        except GenerationConfigError as e:
+            raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
+
+    return convert
+
+
+def _template_kwargs(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GenerationConfigError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise GenerationConfigError("must be a JSON object")
+    from frontend.chat_prompt import RESERVED_TEMPLATE_KWARGS
+
+    # The renderer's own arguments, and what a request gives through its own fields.
+    reserved = sorted((RESERVED_TEMPLATE_KWARGS | {"chat_template", "tools"}) & value.keys())
+    if reserved:
+        raise GenerationConfigError(
+            f"{reserved[0]!r} is not a template variable; requests set it with their own field"
+        )
+    return value
