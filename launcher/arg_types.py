@@ -146,15 +146,23 @@ def profiler_config(text: str) -> ProfilerConfig:
     return ProfilerConfig(**raw)
 
 
-def resource_map(text: str) -> dict[str, float]:
-    """'{"zs": 1, "accelerator_type:A100": 0.01}' → Ray custom resources per engine."""
+def json_object(text: str) -> dict:
+    """'{"temperature": 0.5}' → a dict."""
     import json
 
     try:
         value = json.loads(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"not a JSON object: {text!r} ({e})") from None
-    if not isinstance(value, dict) or not all(
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def resource_map(text: str) -> dict[str, float]:
+    """'{"zs": 1, "accelerator_type:A100": 0.01}' → Ray custom resources per engine."""
+    value = json_object(text)
+    if not all(
         isinstance(k, str) and k and isinstance(v, (int, float)) and v >= 0
         for k, v in value.items()
     ):

@@ -99,17 +99,6 @@ def generation_defaults(source: str, model_dir: str, override: dict) -> Generati
     return GenerationDefaults(sampling, ceiling)
 
 
-def override_json(text: str) -> dict:
-    """--override-generation-config's value: a JSON object."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise GenerationConfigError(f"--override-generation-config: not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise GenerationConfigError("--override-generation-config: must be a JSON object")
-    return value
-
-
 def _read(path: Path, required: bool) -> dict:
     if not path.is_file():
         if required:

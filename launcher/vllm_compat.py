@@ -10,11 +10,11 @@ refused at start with the reason, never silently ignored.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from typing import TYPE_CHECKING
 
-from launcher.generation_config import GenerationConfigError, generation_defaults, override_json
+from launcher.arg_types import json_object
+from launcher.generation_config import generation_defaults
 
 if TYPE_CHECKING:
     from frontend.config import FrontendConfig
@@ -54,7 +54,7 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--override-generation-config",
-        type=_json_type(override_json),
+        type=json_object,
         default={},
         help="JSON over those defaults, e.g. '{\"temperature\": 0.5}'; max_new_tokens caps "
         "every request's max_tokens",
@@ -66,7 +66,7 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--default-chat-template-kwargs",
-        type=_json_type(_template_kwargs),
+        type=_template_kwargs,
         default={},
         help="JSON object of chat template arguments under each request's "
         "chat_template_kwargs, e.g. '{\"enable_thinking\": false}'",
@@ -143,31 +143,14 @@ def apply_compat_flags(frontend: FrontendConfig, args: argparse.Namespace) -> No
             log.info("--%s: %s", name.replace("_", "-"), meaning)
 
 
-def _json_type(parse):
-    """An argparse type from a parser that raises GenerationConfigError."""
-
-    def convert(text: str) -> dict:
-        try:
-            return parse(text)
-        except GenerationConfigError as e:
-            raise argparse.ArgumentTypeError(str(e).split(": ", 1)[-1]) from None
-
-    return convert
-
-
 def _template_kwargs(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise GenerationConfigError(f"not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise GenerationConfigError("must be a JSON object")
+    value = json_object(text)
     from frontend.chat_prompt import RESERVED_TEMPLATE_KWARGS
 
     # The renderer's own arguments, and what a request gives through its own fields.
     reserved = sorted((RESERVED_TEMPLATE_KWARGS | {"chat_template", "tools"}) & value.keys())
     if reserved:
-        raise GenerationConfigError(
+        raise argparse.ArgumentTypeError(
             f"{reserved[0]!r} is not a template variable; requests set it with their own field"
         )
     return value
