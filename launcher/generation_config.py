@@ -7,7 +7,8 @@ derived as vLLM derives them.
 
 Of the file only the values that differ from transformers' own defaults count (vLLM
 reads it through `GenerationConfig.to_diff_dict()`, so a file's `top_k: 50` changes
-nothing); the override's values always count. A request's own value wins over a
+nothing); the override's values always count. A value of the wrong type or range stops
+the start, except in the model's own file (`auto`), where it is logged and left out. A request's own value wins over a
 default. `max_new_tokens` becomes the default `max_tokens`, and a ceiling on every
 request's: from the override with `auto` or `vllm`, from the folder's file (and the
 override) with a folder, as in vLLM.
@@ -82,7 +83,13 @@ def generation_defaults(source: str, model_dir: str, override: dict) -> Generati
         if value is None:
             continue
         where = "--override-generation-config" if key in override else f"{FILE} ({source})"
-        sampling[key] = _checked(key, value, where)
+        try:
+            sampling[key] = _checked(key, value, where)
+        except GenerationConfigError as e:
+            if key in override or source != "auto":
+                raise  # the operator's own value
+            # A model's file is not the operator's: serve the model without that default.
+            log.warning("%s; not used as a default", e)
     if "max_new_tokens" in sampling:
         sampling["max_tokens"] = sampling.pop("max_new_tokens")
     if source in ("auto", "vllm"):
@@ -93,7 +100,9 @@ def generation_defaults(source: str, model_dir: str, override: dict) -> Generati
         log.info(
             "sampling defaults from %s: %s (a request's own values win; "
             "--generation-config vllm drops the model's)",
-            "the model's " + FILE if source == "auto" else source,
+            {"auto": f"the model's {FILE}", "vllm": "--override-generation-config"}.get(
+                source, f"{source}/{FILE}"
+            ),
             json.dumps(sampling, sort_keys=True),
         )
     return GenerationDefaults(sampling, ceiling)

@@ -34,6 +34,8 @@ _ALWAYS = {
     "disable_uvicorn_access_log": "zserve's API servers write no access log",
     "enable_sleep_mode": "sleep mode is always available (POST /sleep with --enable-dev-routes)",
     "async_scheduling": "zserve's engine schedules each step after the last; no effect",
+    "enable_log_outputs": "zserve logs no prompt or output text (request lines: ids, counts)",
+    "max_log_len": "zserve's request lines hold no prompt text to shorten",
 }
 
 
@@ -99,6 +101,8 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
         help=_ALWAYS["disable_uvicorn_access_log"],
     )
     g.add_argument("--enable-sleep-mode", action="store_true", help=_ALWAYS["enable_sleep_mode"])
+    g.add_argument("--enable-log-outputs", action="store_true", help=_ALWAYS["enable_log_outputs"])
+    g.add_argument("--max-log-len", type=int, default=None, help=_ALWAYS["max_log_len"])
     g.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
@@ -139,7 +143,7 @@ def apply_compat_flags(frontend: FrontendConfig, args: argparse.Namespace) -> No
     frontend.response_role = args.response_role
     frontend.default_chat_template_kwargs = args.default_chat_template_kwargs
     for name, meaning in _ALWAYS.items():
-        if getattr(args, name):
+        if getattr(args, name) not in (None, False):
             log.info("--%s: %s", name.replace("_", "-"), meaning)
 
 

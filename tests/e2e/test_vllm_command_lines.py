@@ -31,6 +31,8 @@ enforce-eager: true
 enable_chunked_prefill: true
 disable-uvicorn-access-log: true
 async-scheduling: true
+enable-log-outputs: true
+max-log-len: 100
 enable-sleep-mode: true
 kv-cache-dtype: auto
 load-format: safetensors
@@ -56,7 +58,8 @@ def test_the_config_file_and_the_accepted_flags_start_the_server(server):
         "--enforce-eager: zserve runs eagerly always",
         "--enable-chunked-prefill: zserve always splits prompts",
         "--async-scheduling: zserve's engine schedules each step after the last",
-        'sampling defaults from vllm: {"max_tokens": 5, "temperature": 0.0}',
+        "--max-log-len: zserve's request lines hold no prompt text",
+        'sampling defaults from --override-generation-config: {"max_tokens": 5, "temperature": 0.0}',
     ):
         assert line in log, log[-3000:]
 

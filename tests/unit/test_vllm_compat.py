@@ -75,6 +75,17 @@ def test_bad_generation_configs_are_refused_with_the_reason(tmp_path, source, ov
     assert message in str(e.value)
 
 
+def test_a_bad_value_in_the_models_own_file_is_left_out_not_fatal(tmp_path, caplog):
+    model = _model(tmp_path, {"temperature": "warm", "top_p": 0.5})
+    assert generation_defaults("auto", model, {}).sampling == {"top_p": 0.5}
+    assert "temperature must be a number, got 'warm'; not used as a default" in caplog.text
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"temperature": "warm"}))
+    with pytest.raises(GenerationConfigError, match="temperature must be a number"):
+        generation_defaults(str(other), model, {})  # a folder the operator named: fatal
+
+
 def _serve_parser():
     return build_parser().subcommands["serve"]
 
