@@ -25,7 +25,7 @@ from launcher.lora_flags import lora_config, refuse_lora, runtime_lora_updating
 from launcher.models import ModelNotFoundError, resolve_model
 from launcher.ray_placement import RayPlan
 from launcher.structured_outputs_flag import frontend_options, grammar_config
-from launcher.vllm_compat import apply_compat_flags, compat_refusal
+from launcher.vllm_compat import apply_compat_flags, compat_refusal, take_model_flag
 from protocol.sockets import ipc_address, tcp_address
 
 log = logging.getLogger("zserve.supervisor")
@@ -91,6 +91,7 @@ class LaunchPlan:
 def plan_launch(args: argparse.Namespace) -> LaunchPlan:
     """The whole plan of `zserve serve ARGS`: refusals first, then the model's folders
     (building the default model if none is named), then the configs."""
+    take_model_flag(args)
     problem = refuse_unsupported(args) or compat_refusal(args)
     if problem:
         raise LaunchRefused(problem)

@@ -44,6 +44,13 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
         "vLLM compatibility", "vLLM's flags with vLLM's meanings (see launcher/vllm_compat.py)"
     )
     g.add_argument(
+        "--model",
+        dest="model_flag",
+        metavar="MODEL",
+        default=None,
+        help="MODEL as a flag, as vLLM also takes it (the positional MODEL wins)",
+    )
+    g.add_argument(
         "--config",
         metavar="FILE",
         help="YAML file of flags (name: value), read before the command line, which wins",
@@ -109,6 +116,15 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help=_ALWAYS["async_scheduling"],
     )
+
+
+def take_model_flag(args: argparse.Namespace) -> None:
+    """--model MODEL into args.model, unless the positional MODEL is given (vLLM's rule)."""
+    flag = args.model_flag
+    if flag is not None and args.model is not None and flag != args.model:
+        log.warning("--model %s is not used: the positional MODEL %s is", flag, args.model)
+    if args.model is None:
+        args.model = flag
 
 
 def compat_refusal(args: argparse.Namespace) -> str | None:

@@ -142,6 +142,16 @@ def test_vllm_values_zserve_cannot_honour_are_refused(flags, message):
     assert message in str(e.value)
 
 
+def test_model_may_be_a_flag_and_the_positional_wins(tiny_model, tmp_path, caplog):
+    model = str(tiny_model("llama"))
+    plan = plan_launch(build_parser().parse_args(["serve", "--model", model]))
+    assert plan.frontend.model_dir == model and plan.engine.model == model
+    other = tmp_path / "other"
+    both = plan_launch(build_parser().parse_args(["serve", model, "--model", str(other)]))
+    assert both.frontend.model_dir == model
+    assert f"--model {other} is not used" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [
