@@ -67,6 +67,7 @@ class EngineConfig:
     tokenizer: str | None = None  # the grammar compiler's vocabulary (None: `model`'s)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
     lora: LoraConfig | None = None  # --enable-lora's settings (None: LoRA off)
+    hf_overrides: dict = field(default_factory=dict)  # --hf-overrides: over config.json
 
 
 @dataclass

@@ -55,12 +55,14 @@ def _as_ids(value: object) -> frozenset[int]:
     return frozenset(int(v) for v in value)
 
 
-def inspect_model(model_dir: str) -> ModelInfo:
-    """Read the folder's configs; refuse any architecture off the allowlist."""
+def inspect_model(model_dir: str, overrides: dict | None = None) -> ModelInfo:
+    """Read the folder's configs, with `overrides` (--hf-overrides, as vLLM applies them)
+    over config.json; refuse any architecture off the allowlist."""
     path = Path(model_dir)
     raw = _read_json(path / "config.json")
     if not raw:
         raise ValueError(f"{model_dir}: no config.json; expected a local Hugging Face model folder")
+    raw |= overrides or {}
     archs = raw.get("architectures") or [raw.get("model_type", "<unknown>")]
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -68,6 +70,7 @@ def inspect_model(model_dir: str) -> ModelInfo:
             f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    _override(config, overrides or {})
     generation = _read_json(path / "generation_config.json")
     eos = generation.get("eos_token_id", raw.get("eos_token_id"))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -82,6 +85,16 @@ def inspect_model(model_dir: str) -> ModelInfo:
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim,
     )
+
+
+def _override(config: PretrainedConfig, overrides: dict) -> None:
+    """A mapping over a sub-config merges into it; any other value replaces the field."""
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and isinstance(current, PretrainedConfig):
+            _override(current, value)
+        else:
+            setattr(config, key, value)
 
 
 def resolve_dtype(requested: str, info: ModelInfo, device: torch.device) -> torch.dtype:

@@ -34,7 +34,7 @@ class ModelRunner:
             config = replace(config, max_num_seqs=default_max_num_seqs(self.device.type))
         self.config = config  # with every default that depends on the device resolved
         self.num_threads = set_up_host(config, self.device)
-        self.info = inspect_model(config.model)
+        self.info = inspect_model(config.model, config.hf_overrides)
         self.max_model_len = resolve_max_model_len(config.max_model_len, self.info)
         self.dtype = resolve_dtype(config.dtype, self.info, self.device)
         self.block_size = config.block_size

@@ -212,6 +212,7 @@ def engine_config(
         profiler=args.profiler_config,
         tokenizer=tokenizer_dir if tokenizer_dir != model_dir else None,
         grammar=grammar_config(args.structured_outputs_config),
+        hf_overrides=args.hf_overrides,
     )
 
 

@@ -69,6 +69,12 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
         "every request's max_tokens",
     )
     g.add_argument(
+        "--hf-overrides",
+        type=json_object,
+        default={},
+        help="JSON over the model's config.json, e.g. '{\"max_position_embeddings\": 4096}'",
+    )
+    g.add_argument(
         "--response-role",
         default="assistant",
         help="role of chat responses when add_generation_prompt is true",

@@ -45,6 +45,7 @@ response-role: bot
 chat-template: {folder / "template.jinja"}
 default-chat-template-kwargs: {{greeting: HELLO}}
 enable-prefix-caching: false
+hf-overrides: {{max_position_embeddings: 512}}
 """
     )
     with ZServe("--config", str(folder / "config.yaml"), *SERVED_NAMES, *SMALL_KV) as s:
@@ -62,6 +63,12 @@ def test_the_config_file_and_the_accepted_flags_start_the_server(server):
         'sampling defaults from --override-generation-config: {"max_tokens": 5, "temperature": 0.0}',
     ):
         assert line in log, log[-3000:]
+
+
+def test_hf_overrides_reach_the_engine(server):
+    # the tiny model's config says 1024 positions; the override makes the context 512
+    models = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"]
+    assert {m["max_model_len"] for m in models} == {512}
 
 
 def test_override_generation_config_gives_defaults_and_caps_max_tokens(server):

@@ -165,3 +165,17 @@ def test_default_chat_template_kwargs_are_checked_as_parsed(value, message, caps
         build_parser().parse_args(["serve", "--default-chat-template-kwargs", value])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_hf_overrides_change_the_config_the_engine_reads(tiny_model):
+    from engine_core.model_loader import inspect_model
+
+    model = str(tiny_model("llama"))
+    plain = inspect_model(model)
+    info = inspect_model(model, {"max_position_embeddings": 256, "rms_norm_eps": 0.001})
+    assert plain.max_position_embeddings != 256 and info.max_position_embeddings == 256
+    assert info.hf_config.rms_norm_eps == 0.001 != plain.hf_config.rms_norm_eps
+    with pytest.raises(ValueError, match="architecture GPT2LMHeadModel is not supported"):
+        inspect_model(model, {"architectures": ["GPT2LMHeadModel"]})
+    args = build_parser().parse_args(["serve", model, "--hf-overrides", '{"rms_norm_eps": 0.1}'])
+    assert plan_launch(args).engine.hf_overrides == {"rms_norm_eps": 0.1}
