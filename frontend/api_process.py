@@ -133,9 +133,8 @@ class APIProcess:
             gc.collect()
             gc.freeze()  # start-up objects never need scanning again
             self.report(Serving(os.getpid()))
-            log.info(
-                "API server %d serving %s on port %d", self.cfg.client_index, self.door, fc.port
-            )
+            place = f"unix socket {fc.uds}" if fc.uds else f"port {fc.port}"
+            log.info("API server %d serving %s on %s", self.cfg.client_index, self.door, place)
             await self.serve_door()
         finally:
             for task in self.tasks:

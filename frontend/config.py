@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 
 from frontend.limits import RequestLimits
@@ -46,8 +47,16 @@ class FrontendConfig:
     allow_credentials: bool = False
     root_path: str = ""
     middleware: list[str] = field(default_factory=list)
+    # The HTTP door (launcher/http_door.py): TLS, --uds and the access log.
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED
+    ssl_ciphers: str | None = None
+    ssl_refresh: bool = False  # reload the files above when they change
+    uds: str | None = None  # serve on this Unix socket, not host:port
+    access_log: bool = True
+    access_log_skip: list[str] = field(default_factory=list)  # paths without a line
     sse_keep_alive_interval: float = 0.0
     stream_interval: int = 1
     max_num_queued_reqs: int | None = None
@@ -55,7 +64,7 @@ class FrontendConfig:
     metrics_prefix: str = "zserve"
     scheduling_policy: str = "fcfs"
     shutdown_timeout: float = 0.0
-    uvicorn_log_level: str = "warning"
+    uvicorn_log_level: str = "info"
     # Hardening: what one client may send, and where long texts are tokenized.
     limits: RequestLimits = field(default_factory=RequestLimits)
     tokenizer_pool_size: int = 1  # worker processes per API server; 0: a thread instead
@@ -96,3 +105,6 @@ class APIServerConfig:
     admission_path: str | None = None  # the shared admission file (see admission.py)
     restarts: int = 0  # how often the supervisor has restarted this API server
     cpus: list[int] | None = None  # CPU affinity (--api-server-cpus)
+    # --uds: the supervisor's listener, which every API server accepts on (a socket
+    # travels to a spawned child as a duplicated descriptor).
+    listener: socket.socket | None = None

@@ -148,7 +148,9 @@ class GRPCServer(APIProcess):
         address = listen_address(fc.host, fc.port)
         if fc.ssl_certfile:
             credentials = grpc.ssl_server_credentials(
-                [(Path(fc.ssl_keyfile).read_bytes(), Path(fc.ssl_certfile).read_bytes())]
+                [(Path(fc.ssl_keyfile).read_bytes(), Path(fc.ssl_certfile).read_bytes())],
+                root_certificates=Path(fc.ssl_ca_certs).read_bytes() if fc.ssl_ca_certs else None,
+                require_client_auth=fc.ssl_cert_reqs == 2,  # ssl.CERT_REQUIRED
             )
             bound = self.server.add_secure_port(address, credentials)
         else:

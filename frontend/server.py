@@ -1,9 +1,12 @@
-"""The HTTP API-server process: Starlette on uvicorn, on its own SO_REUSEPORT listener
-(the process around it, shared with the gRPC door, is api_process.py)."""
+"""The HTTP API-server process: Starlette on uvicorn, on its own SO_REUSEPORT listener,
+or with --uds on the supervisor's Unix socket (the process around it, shared with the
+gRPC door, is api_process.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import socket
 from multiprocessing.connection import Connection
 
@@ -13,6 +16,7 @@ from frontend.api_process import APIProcess, run_api_process
 from frontend.app import build_app
 from frontend.config import APIServerConfig
 from frontend.http_limits import guarded_protocol
+from frontend.tls_refresh import TLSRefresher
 from protocol.sockets import is_ipv6
 
 
@@ -47,15 +51,25 @@ class APIServer(APIProcess):
             loop="none",
             http=guarded_protocol(fc.limits),
             lifespan="off",
+            log_config=None,  # uvicorn's lines, access lines included, in zserve's format
             log_level=fc.uvicorn_log_level,
-            access_log=False,
+            access_log=fc.access_log,
             timeout_keep_alive=30,
             timeout_graceful_shutdown=max(fc.shutdown_timeout, 1.0),
             ssl_keyfile=fc.ssl_keyfile,
             ssl_certfile=fc.ssl_certfile,
+            ssl_ca_certs=fc.ssl_ca_certs,
+            ssl_cert_reqs=fc.ssl_cert_reqs,
+            **({"ssl_ciphers": fc.ssl_ciphers} if fc.ssl_ciphers else {}),
         )
+        config.load()  # the SSL context now, for the refresher to reload into
+        if fc.access_log and fc.access_log_skip:
+            logging.getLogger("uvicorn.access").addFilter(SkipPaths(fc.access_log_skip))
+        if fc.ssl_refresh and config.ssl is not None:
+            refresher = TLSRefresher(config.ssl, fc.ssl_certfile, fc.ssl_keyfile, fc.ssl_ca_certs)
+            self.tasks.append(asyncio.create_task(refresher.run()))
         self.server = _Server(config)
-        self.sock = listen_socket(fc.host, fc.port)
+        self.sock = self.cfg.listener or listen_socket(fc.host, fc.port)
 
     async def serve_door(self) -> None:
         try:
@@ -66,6 +80,21 @@ class APIServer(APIProcess):
     def stop_door(self) -> None:
         if self.server is not None:
             self.server.should_exit = True
+
+
+class SkipPaths(logging.Filter):
+    """--disable-access-log-for-endpoints: no access line for these paths (exact, without
+    the query). uvicorn's access record carries the path as its third argument."""
+
+    def __init__(self, paths: list[str]) -> None:
+        super().__init__()
+        self.paths = frozenset(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].split("?", 1)[0] not in self.paths
+        return True
 
 
 class _Server(uvicorn.Server):

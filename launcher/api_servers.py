@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 
@@ -29,8 +30,10 @@ class APIServers:
         frontend: FrontendConfig,
         runtime_dir: str,
         check: Callable[[], None],
+        listener: socket.socket | None = None,
     ) -> None:
         self.plan = plan
+        self.listener = listener  # --uds: the socket every API server accepts on
         self.frontend = frontend
         self.runtime_dir = runtime_dir
         self.check = check  # raises if any child of the server died (see Supervisor)
@@ -55,6 +58,7 @@ class APIServers:
                 parent_pid=os.getpid(),
                 admission_path=admission_path,
                 cpus=self.plan.api_server_cpus,
+                listener=self.listener,
             )
             self.children.append(spawn_api_server(cfg))
         for child in self.children:

@@ -23,15 +23,19 @@ def add_limit_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-header-bytes",
+        "--h11-max-incomplete-event-size",
+        dest="max_header_bytes",
         type=parse_bytes,
         default=RequestLimits.max_header_bytes,
-        help="largest request line plus headers (431 above it)",
+        help="largest request line plus headers (431 above it); the second name is vLLM's",
     )
     g.add_argument(
         "--max-header-count",
+        "--h11-max-header-count",
+        dest="max_header_count",
         type=positive_int,
         default=RequestLimits.max_header_count,
-        help="most headers in one request (431 above it)",
+        help="most headers in one request (431 above it); the second name is vLLM's",
     )
     g.add_argument(
         "--header-read-timeout",

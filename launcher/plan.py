@@ -20,6 +20,7 @@ from engine_core.config import EngineConfig, cpu_thread_count
 from frontend.chat_tools import load_chat_parsers
 from frontend.config import FrontendConfig
 from launcher.generation_config import GenerationConfigError
+from launcher.http_door import apply_http_door, http_door_refusal
 from launcher.limit_args import request_limits
 from launcher.lora_flags import lora_config, refuse_lora, runtime_lora_updating
 from launcher.models import ModelNotFoundError, resolve_model
@@ -92,7 +93,7 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
     """The whole plan of `zserve serve ARGS`: refusals first, then the model's folders
     (building the default model if none is named), then the configs."""
     take_model_flag(args)
-    problem = refuse_unsupported(args) or compat_refusal(args)
+    problem = refuse_unsupported(args) or compat_refusal(args) or http_door_refusal(args)
     if problem:
         raise LaunchRefused(problem)
     try:
@@ -121,6 +122,7 @@ def build_plan(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) -> 
         frontend.enable_lora = lora is not None
         frontend.lora_modules = [] if lora is None else list(lora.modules)
         frontend.enable_runtime_lora_updating = runtime_lora_updating(args)
+        apply_http_door(frontend, args)
         try:
             apply_compat_flags(frontend, args)
         except GenerationConfigError as e:
@@ -254,8 +256,6 @@ def frontend_config(
         allow_credentials=args.allow_credentials,
         root_path=args.root_path,
         middleware=args.middleware,
-        ssl_keyfile=args.ssl_keyfile,
-        ssl_certfile=args.ssl_certfile,
         sse_keep_alive_interval=args.sse_keep_alive_interval,
         stream_interval=args.stream_interval,
         max_num_queued_reqs=args.max_num_queued_reqs,

@@ -19,6 +19,7 @@ from launcher.arg_types import (
     positive_int,
     str_list,
 )
+from launcher.http_door import add_http_door_args
 from launcher.limit_args import add_limit_args
 from launcher.serve_feature_args import (
     add_chat_feature_args,
@@ -52,7 +53,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="model names the API accepts; the first is the one responses report",
     )
-    g.add_argument("--uvicorn-log-level", default="warning")
+    g.add_argument(
+        "--uvicorn-log-level",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        default="info",
+        help="level of uvicorn's own lines and of the access log (info and below)",
+    )
     g.add_argument(
         "--grpc",
         action="store_true",
@@ -252,8 +258,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="module.path.Name of an ASGI middleware class or HTTP middleware "
         "function (repeatable)",
     )
-    g.add_argument("--ssl-keyfile", default=None)
-    g.add_argument("--ssl-certfile", default=None)
     g.add_argument(
         "--sse-keep-alive-interval",
         type=non_negative,
@@ -290,6 +294,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=0.0,
         help="seconds in-flight requests may finish after SIGTERM (0: abort at once)",
     )
+
+    add_http_door_args(p)
 
     add_chat_feature_args(p)
 

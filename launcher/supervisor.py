@@ -17,6 +17,7 @@ from launcher.children import StartupError, check_alive, stop_all
 from launcher.engine_handshake import EngineHandshake, engine_plan
 from launcher.engine_restarts import EngineRestarts
 from launcher.engine_set import EngineSet, LocalEngines
+from launcher.http_door import UnixListener, claim_unix_socket, listen_address
 from launcher.monitor import monitor
 from launcher.plan import LaunchPlan
 from launcher.port import PortBusyError, claim_port
@@ -47,6 +48,7 @@ class Supervisor:
         self.engines: EngineSet = LocalEngines()  # or RayEngines (connect_ray)
         self.stop_signal: int | None = None
         self.port_holder = None  # the socket holding the HTTP port (launcher/port.py)
+        self.unix_listener: UnixListener | None = None  # --uds (launcher/http_door.py)
         self.handshake: EngineHandshake | None = None
         self.keys = None
         self.auth = None
@@ -75,24 +77,29 @@ class Supervisor:
 
     def run_head(self) -> int:
         frontend = self.plan.frontend
-        self.port_holder = claim_port(frontend.host, frontend.port)
+        if frontend.uds:
+            self.unix_listener = claim_unix_socket(frontend.uds)
+        else:
+            self.port_holder = claim_port(frontend.host, frontend.port)
         if self.plan.ray is not None:
             self.connect_ray()
         self.handshake = EngineHandshake(
             self.zmq, self.handshake_address(), self.keys, self.topology
         )
         self.api_servers = APIServers(
-            self.plan, dataclasses.replace(frontend, curve=self.keys), self.runtime_dir, self.check
+            self.plan,
+            dataclasses.replace(frontend, curve=self.keys),
+            self.runtime_dir,
+            self.check,
+            listener=self.unix_listener.sock if self.unix_listener else None,
         )
         self.api_servers.start()
         self.start_engines()
         self.handshake.run(self.engine_plan(), self.plan.engine_ready_timeout_s, self.check)
         self.api_servers.wait_serving()
         log.info(
-            "zserve ready on %s://%s:%d (%d API server(s), %d engine(s))",
-            "grpc" if frontend.grpc else "http",
-            frontend.host or "0.0.0.0",
-            frontend.port,
+            "zserve ready on %s (%d API server(s), %d engine(s))",
+            listen_address(frontend),
             len(self.api_servers.children),
             self.topology.data_parallel_size,
         )
@@ -224,6 +231,8 @@ class Supervisor:
         self.zmq.destroy(linger=0)
         if self.port_holder is not None:
             self.port_holder.close()
+        if self.unix_listener is not None:
+            self.unix_listener.release()
         self.runtime.close()
 
 

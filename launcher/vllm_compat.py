@@ -31,7 +31,6 @@ _ONLY = {
 _ALWAYS = {
     "enforce_eager": "zserve runs eagerly always (no CUDA graphs, no torch.compile)",
     "enable_chunked_prefill": "zserve always splits prompts into --max-num-batched-tokens chunks",
-    "disable_uvicorn_access_log": "zserve's API servers write no access log",
     "enable_sleep_mode": "sleep mode is always available (POST /sleep with --enable-dev-routes)",
     "async_scheduling": "zserve's engine schedules each step after the last; no effect",
     "enable_log_outputs": "zserve logs no prompt or output text (request lines: ids, counts)",
@@ -107,11 +106,6 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help=_ALWAYS["enable_chunked_prefill"] + "; --no-enable-chunked-prefill is refused",
-    )
-    g.add_argument(
-        "--disable-uvicorn-access-log",
-        action="store_true",
-        help=_ALWAYS["disable_uvicorn_access_log"],
     )
     g.add_argument("--enable-sleep-mode", action="store_true", help=_ALWAYS["enable_sleep_mode"])
     g.add_argument("--enable-log-outputs", action="store_true", help=_ALWAYS["enable_log_outputs"])

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -21,11 +19,15 @@ from zserve_proc import ZServe
 
 
 class GRPCZServe(ZServe):
-    """`zserve serve --grpc`; TLS when given the certificate to trust."""
+    """`zserve serve --grpc`; TLS when given the CA certificate to trust, with the
+    client's (key, certificate) when the server asks for one."""
 
-    def __init__(self, *args, cert: Path | None = None, **kwargs) -> None:
+    def __init__(
+        self, *args, ca: Path | None = None, client: tuple[Path, Path] | None = None, **kwargs
+    ) -> None:
         super().__init__(*args, "--grpc", **kwargs)
-        self.cert = cert.read_bytes() if cert else None
+        self.cert = ca.read_bytes() if ca else None
+        self.client = tuple(p.read_bytes() for p in client) if client else (None, None)
 
     @property
     def target(self) -> str:
@@ -34,7 +36,9 @@ class GRPCZServe(ZServe):
     def channel(self) -> grpc.Channel:
         if self.cert is None:
             return grpc.insecure_channel(self.target)
-        return grpc.secure_channel(self.target, grpc.ssl_channel_credentials(self.cert))
+        return grpc.secure_channel(
+            self.target, grpc.ssl_channel_credentials(self.cert, *self.client)
+        )
 
     def wait_until_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout
@@ -52,20 +56,6 @@ class GRPCZServe(ZServe):
                     pass
                 time.sleep(0.2)
         raise TimeoutError(f"zserve not ready in {self.ready_timeout} s:\n{self.log()}")
-
-
-def self_signed_certificate(folder: Path) -> tuple[Path, Path] | None:
-    """A key and certificate for 127.0.0.1, or None without openssl."""
-    if shutil.which("openssl") is None:
-        return None
-    key, cert = folder / "key.pem", folder / "cert.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-    return key, cert
 
 
 def generate(

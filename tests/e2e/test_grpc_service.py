@@ -20,9 +20,9 @@ from e2e_grpc import (
     completes,
     generate,
     request_counts,
-    self_signed_certificate,
     wait_for,
 )
+from e2e_tls import CertificateAuthority, have_openssl
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated.vllm_engine_pb2_grpc import VllmEngineStub
@@ -43,8 +43,13 @@ PROMPT = [72, 101, 108, 108, 111]  # "Hello"
 
 @pytest.fixture(scope="module")
 def server(tiny_model, long_context, tmp_path_factory):
-    cert = self_signed_certificate(tmp_path_factory.mktemp("tls"))
-    tls = ("--ssl-keyfile", str(cert[0]), "--ssl-certfile", str(cert[1])) if cert else ()
+    tls, ca, client = (), None, None
+    if have_openssl():  # TLS that requires client certificates from the test's CA
+        authority = CertificateAuthority(tmp_path_factory.mktemp("tls"))
+        key, cert = authority.issue("server", server=True)
+        ca, client = authority.cert, authority.issue("client", server=False)
+        tls = ("--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
+               "--ssl-ca-certs", str(ca), "--ssl-cert-reqs", "2")  # fmt: skip
     with GRPCZServe(
         str(long_context(tiny_model("llama"), MAX_MODEL_LEN)),
         "--served-model-name", "tiny",
@@ -59,7 +64,8 @@ def server(tiny_model, long_context, tmp_path_factory):
         "--max-num-queued-reqs", str(MAX_QUEUED_REQS),
         "--max-request-body-bytes", str(MAX_BODY),
         "--max-concurrent-streams", "16",
-        cert=cert[1] if cert else None,
+        ca=ca,
+        client=client,
     ) as s:  # fmt: skip
         yield s
         log = s.log()
@@ -170,13 +176,17 @@ def test_the_bearer_scheme_is_case_insensitive(stub):
     assert info.served_model_name == "tiny"
 
 
-def test_tls_serves_tls_only(server):
+def test_tls_serves_tls_only_and_only_to_clients_with_a_certificate_from_the_ca(server):
     if server.cert is None:
         pytest.skip("no openssl to make a certificate")
-    with grpc.insecure_channel(server.target) as plain:
-        with pytest.raises(grpc.RpcError) as info:
-            VllmEngineStub(plain).HealthCheck(pb.HealthCheckRequest(), timeout=5)
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    no_client_cert = grpc.ssl_channel_credentials(server.cert)
+    for channel in (
+        grpc.insecure_channel(server.target),
+        grpc.secure_channel(server.target, no_client_cert),
+    ):
+        with channel, pytest.raises(grpc.RpcError) as info:
+            VllmEngineStub(channel).HealthCheck(pb.HealthCheckRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 # --- what the server is ------------------------------------------------------------------

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
-import ssl
-import subprocess
 import threading
 import time
 from contextlib import ExitStack
@@ -21,7 +18,7 @@ import httpx
 import openai
 import pytest
 from e2e_http import MODEL, SERVED_NAMES, assert_error, metric_samples, parse_sse, wait_for
-from zserve_proc import ZServe
+from e2e_tls import CertificateAuthority, TLSServer, client_context, have_openssl
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,51 +52,13 @@ async def stamp(request, call_next):
 """
 
 
-class TLSServer(ZServe):
-    """ZServe over https when given a context (readiness polls with the test's own
-    certificate), plain http otherwise."""
-
-    def __init__(self, *args, context: ssl.SSLContext | None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.context = context
-
-    @property
-    def base_url(self) -> str:
-        return f"{'https' if self.context else 'http'}://127.0.0.1:{self.port}"
-
-    @property
-    def verify(self) -> ssl.SSLContext | bool:
-        return self.context or True
-
-    def wait_until_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"zserve exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                r = httpx.get(self.base_url + "/health", verify=self.verify, timeout=1.0)
-                if r.status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"zserve not ready in {self.ready_timeout} s:\n{self.log()}")
-
-
 @pytest.fixture(scope="module")
-def certificate(tmp_path_factory) -> tuple[Path, Path] | None:
-    """A self-signed key and certificate for 127.0.0.1, or None without openssl."""
-    if shutil.which("openssl") is None:
+def certificate(tmp_path_factory) -> tuple[Path, Path, Path] | None:
+    """(key, certificate, CA certificate) for 127.0.0.1, or None without openssl."""
+    if not have_openssl():
         return None
-    folder = tmp_path_factory.mktemp("tls")
-    key, cert = folder / "key.pem", folder / "cert.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-    return key, cert
+    authority = CertificateAuthority(tmp_path_factory.mktemp("tls"))
+    return (*authority.issue("server", server=True), authority.cert)
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +66,9 @@ def server(tiny_model, certificate, tmp_path_factory):
     tls = ()
     context = None
     if certificate is not None:
-        key, cert = certificate
+        key, cert, ca = certificate
         tls = ("--ssl-keyfile", str(key), "--ssl-certfile", str(cert))
-        context = ssl.create_default_context(cafile=str(cert))
+        context = client_context(ca)
     modules = tmp_path_factory.mktemp("middleware")
     (modules / "zserve_test_middleware.py").write_text(MIDDLEWARE)
     path = os.pathsep.join(p for p in [str(modules), os.environ.get("PYTHONPATH")] if p)
