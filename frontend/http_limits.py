@@ -17,25 +17,29 @@ import asyncio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from frontend.accept_gate import AcceptGate
 from frontend.errors import APIError, error_response
 from frontend.limits import RequestLimits
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
-def guarded_protocol(limits: RequestLimits) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with these limits (uvicorn builds one per connection)."""
+def guarded_protocol(limits: RequestLimits, gate: AcceptGate) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with these limits (uvicorn builds one per connection),
+    counting its connections for the accept gate."""
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
         _limits = limits
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            gate.opened()
             self._timer: asyncio.TimerHandle | None = None
             self._expect_headers()
             self._arm(self._limits.header_timeout_s)
 
         def connection_lost(self, exc) -> None:
+            gate.closed()
             self._disarm()
             super().connection_lost(exc)
 

@@ -12,6 +12,7 @@ from multiprocessing.connection import Connection
 
 import uvicorn
 
+from frontend.accept_gate import AcceptGate, connection_cap
 from frontend.api_process import APIProcess, run_api_process
 from frontend.app import build_app
 from frontend.config import APIServerConfig
@@ -43,13 +44,15 @@ class APIServer(APIProcess):
         super().__init__(cfg, pipe)
         self.server: uvicorn.Server | None = None
         self.sock: socket.socket | None = None
+        self.gate: AcceptGate | None = None
 
     async def open_door(self) -> None:
         fc = self.cfg.frontend
+        self.gate = AcceptGate(connection_cap())
         config = uvicorn.Config(
             build_app(self.ctx),
             loop="none",
-            http=guarded_protocol(fc.limits),
+            http=guarded_protocol(fc.limits, self.gate),
             lifespan="off",
             log_config=None,  # uvicorn's lines, access lines included, in zserve's format
             log_level=fc.uvicorn_log_level,
@@ -73,7 +76,7 @@ class APIServer(APIProcess):
 
     async def serve_door(self) -> None:
         try:
-            await self.server.serve(sockets=[self.sock])
+            await self.server.serve(sockets=self.gate.serving(self.server, self.sock))
         finally:
             self.sock.close()
 

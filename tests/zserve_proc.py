@@ -4,6 +4,7 @@ group, readiness by polling, and a teardown that always leaves nothing behind.""
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -94,8 +95,10 @@ class ZServe:
         ready_timeout: float = 180.0,
         wait_ready: bool = True,
         log_path: Path | None = None,
+        open_files: int | None = None,
     ) -> None:
         self.port = port or free_port()
+        self.open_files = open_files  # RLIMIT_NOFILE (soft and hard) of the whole server
         self.args = [*ZSERVE, "serve", *args]
         if "--port" not in args and "--headless" not in args:
             self.args += ["--port", str(self.port)]
@@ -122,10 +125,14 @@ class ZServe:
             stderr=subprocess.STDOUT,
             env=self.env,
             start_new_session=True,  # its own process group, so teardown reaches every child
+            preexec_fn=self._limit_open_files if self.open_files else None,
         )
         if self.wait_ready:
             self.wait_until_ready()
         return self
+
+    def _limit_open_files(self) -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.open_files, self.open_files))
 
     def wait_until_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout

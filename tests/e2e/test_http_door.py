@@ -27,6 +27,7 @@ from zserve_proc import ZServe
 
 pytestmark = pytest.mark.timeout(120)
 
+OPEN_FILES = 256  # the --uds server's: its API servers hold ~150 connections each
 ACCESS_LINE = re.compile(r'uvicorn\.access: .* - "(\w+) (\S+) HTTP/1\.1" (\d+)')
 
 
@@ -241,6 +242,7 @@ def uds_server(tiny_model, uds_path):
         "--api-server-count", "2",
         "--disable-uvicorn-access-log",
         uds=uds_path,
+        open_files=OPEN_FILES,
     ) as s:  # fmt: skip
         yield s
 
@@ -276,6 +278,41 @@ def test_a_second_server_on_a_live_socket_is_refused(uds_server, uds_path, tiny_
         assert "another server listens on it" in second.log()
     with uds_server.http() as http:
         assert http.get("/health").status_code == 200
+
+
+def test_at_the_open_files_limit_connections_wait_instead_of_being_reset(uds_server):
+    """Past what RLIMIT_NOFILE leaves room for, an API server stops accepting (libuv
+    would accept and close each connection: a reset). More connections than both API
+    servers can hold all stay open, waiting in the listen backlog; once they close, both
+    accept again and /health answers."""
+    held = []
+    try:
+        for _ in range(2 * OPEN_FILES):
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(str(uds_server.uds))  # the kernel queues what is not accepted
+            held.append(conn)
+        wait_for(
+            lambda: uds_server.log().count("new connections wait in the listen backlog") >= 2,
+            timeout=20,
+            what="both API servers to stop accepting",
+        )
+        assert "RLIMIT_NOFILE 256" in uds_server.log()
+        for conn in held:  # none was closed or reset by the server
+            conn.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                conn.recv(1)
+    finally:
+        for conn in held:
+            conn.close()
+    wait_for(
+        lambda: uds_server.log().count("accepting connections again") >= 2,
+        timeout=20,
+        what="both API servers to accept again",
+    )
+    with uds_server.http() as http:
+        assert http.get("/health").status_code == 200
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+        assert http.post("/v1/completions", json=body).status_code == 200
 
 
 def test_a_restarted_api_server_accepts_on_the_same_socket(uds_server):
