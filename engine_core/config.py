@@ -60,6 +60,9 @@ class EngineConfig:
     model_impl: str = "auto"  # auto | native | transformers (backends.py)
     cpu_kernels: str = "auto"  # auto: the native bf16 forward on CPU uses them | off
     max_logprobs: int = 20  # -1: the whole vocabulary
+    # What logprobs hold (vLLM's --logprobs-mode): raw_ or processed_ (after penalties,
+    # bias, temperature, min_p, top_k, top_p), logprobs or the logits themselves.
+    logprobs_mode: str = "raw_logprobs"
     data_parallel_rank: int = 0
     data_parallel_size_local: int = 1
     data_parallel_local_rank: int = 0  # this engine's index among its node's engines

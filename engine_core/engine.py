@@ -248,13 +248,20 @@ class EngineCore:
         # Before anything reads the logits: logprobs are those of the masked distribution.
         self.grammars.mask(sample_logits, plan.sampling)
         wanted = [i for i, r in enumerate(plan.sampling) if r.params.logprobs is not None]
-        # Indexing copies: the raw logits survive the sampler's in-place processing.
-        raw = sample_logits[wanted] if wanted else None
-        tokens = self.sampler.sample(sample_logits, plan.sampling)
+        mode = self.config.logprobs_mode
+        if wanted and mode.startswith("processed"):
+            tokens, scores = self.sampler.sample_keeping(sample_logits, plan.sampling, wanted)
+        else:
+            # Indexing copies: the raw logits survive the sampler's in-place processing.
+            scores = sample_logits[wanted] if wanted else None
+            tokens = self.sampler.sample(sample_logits, plan.sampling)
+        as_logits = mode.endswith("logits")
         if wanted:
-            self._sampled_logprobs([plan.sampling[i] for i in wanted], raw, tokens[wanted])
-        if plan.prompt_logprob_rows:
-            self._prompt_logprobs(plan, logits[num_sampling + num_beam_rows :])
+            self._sampled_logprobs(
+                [plan.sampling[i] for i in wanted], scores, tokens[wanted], as_logits
+            )
+        if plan.prompt_logprob_rows:  # always from the raw logits, as vLLM's
+            self._prompt_logprobs(plan, logits[num_sampling + num_beam_rows :], as_logits)
         self._count_tokens(plan)
         sampled = self.scheduler.update(plan, tokens.tolist())
         outputs = self._outputs(sampled)
@@ -293,23 +300,28 @@ class EngineCore:
         return outputs
 
     @staticmethod
-    def _sampled_logprobs(requests: list[Request], raw: torch.Tensor, tokens: torch.Tensor) -> None:
+    def _sampled_logprobs(
+        requests: list[Request], scores: torch.Tensor, tokens: torch.Tensor, as_logits: bool
+    ) -> None:
         rows = logprobs_per_row(
-            raw,
+            scores,
             tokens,
             [r.params.logprobs for r in requests],
             [r.params.logprob_token_ids for r in requests],
+            as_logits,
         )
         for request, logprobs in zip(requests, rows):
             request.pending_logprobs.append(logprobs)
 
-    def _prompt_logprobs(self, plan: SchedulerOutput, logits: torch.Tensor) -> None:
+    def _prompt_logprobs(
+        self, plan: SchedulerOutput, logits: torch.Tensor, as_logits: bool
+    ) -> None:
         offset = 0
         for request, first, end in plan.prompt_logprob_rows:
             n = end - first
             targets = torch.tensor(request.all_token_ids[first + 1 : end + 1], device=logits.device)
             part = logprobs_of_positions(
-                logits[offset : offset + n], targets, request.params.prompt_logprobs
+                logits[offset : offset + n], targets, request.params.prompt_logprobs, as_logits
             )
             request.prompt_logprobs_parts.append(part)
             offset += n

@@ -1,7 +1,9 @@
 """Logprobs of chosen tokens (sampled or prompt) with their rank and the top-n.
 
-Always from the model's raw distribution (before penalties, temperature and
-truncation), as vLLM's default `raw_logprobs` does.
+From the scores the engine passes: the model's raw logits by default (before
+penalties, temperature and truncation, as vLLM's default `raw_logprobs`), or the
+sampler's processed ones (--logprobs-mode processed_*); with `as_logits` the values
+are those logits themselves, not their log-softmax (--logprobs-mode *_logits).
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ def logprobs_per_row(
     token_ids: torch.Tensor,
     num_top: list[int],
     listed: list[list[int] | None] | None = None,
+    as_logits: bool = False,
 ) -> list[Logprobs]:
     """A single-position Logprobs for each row of fp32 `logits` [R, V]: row i keeps
     num_top[i], or, where listed[i] is given, exactly those tokens after the chosen
     one (logprob_token_ids)."""
-    logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = logits if as_logits else torch.log_softmax(logits, dim=-1)
     if listed is None or not any(listed):
         ids, lps, ranks = _rows(logprobs, token_ids, max(num_top))
         return [
@@ -54,9 +57,12 @@ def logprobs_per_row(
     return rows
 
 
-def logprobs_of_positions(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> Logprobs:
+def logprobs_of_positions(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, as_logits: bool = False
+) -> Logprobs:
     """One Logprobs covering consecutive positions (prompt logprobs of a chunk)."""
-    ids, lps, ranks = _rows(torch.log_softmax(logits, dim=-1), token_ids, num_top)
+    scores = logits if as_logits else torch.log_softmax(logits, dim=-1)
+    ids, lps, ranks = _rows(scores, token_ids, num_top)
     return Logprobs(token_ids=ids, logprobs=lps, ranks=ranks)
 
 

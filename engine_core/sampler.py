@@ -39,26 +39,51 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """fp32 logits [B, V] (modified in place), one row per request → token ids [B]."""
+        return self.sample_keeping(logits, requests, None)[0]
+
+    def sample_keeping(
+        self, logits: torch.Tensor, requests: list[Request], keep: list[int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """sample(), and the processed logits of the rows in `keep` (--logprobs-mode
+        processed_*): what each row's draw saw, after the processors, temperature,
+        min_p, top_k and top_p; for greedy rows, after the processors."""
         # Hot path: the common all-greedy, unprocessed batch is a single argmax.
         processed = [i for i, r in enumerate(requests) if r.needs_processing]
         if processed:
             apply_processors(logits, requests, processed, self.vocab_size)
+        kept = logits[keep] if keep else None  # indexing copies
         random_rows = [i for i, r in enumerate(requests) if not r.is_greedy]
         if not random_rows:
-            return self._argmax(logits)
+            return self._argmax(logits), kept
         if len(random_rows) == len(requests):
-            return self._sample_random(logits, requests)
+            return self._sample_random(logits, requests, kept, keep)
         tokens = self._argmax(logits)
         idx = torch.tensor(random_rows, device=logits.device)
-        tokens[idx] = self._sample_random(logits[idx], [requests[i] for i in random_rows])
-        return tokens
+        # keep's rows among the random rows, as positions in each list
+        where = {row: j for j, row in enumerate(random_rows)}
+        pairs = [(k, where[row]) for k, row in enumerate(keep or ()) if row in where]
+        final = logits.new_empty(len(pairs), logits.shape[1]) if pairs else None
+        tokens[idx] = self._sample_random(
+            logits[idx], [requests[i] for i in random_rows], final, [j for _, j in pairs]
+        )[0]
+        for n, (k, _) in enumerate(pairs):
+            kept[k] = final[n]
+        return tokens, kept
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and logits.device.type == "cpu":
             return self.kernels.argmax(logits)  # the same answer, several times faster
         return logits.argmax(dim=-1)
 
-    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample_random(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        out: torch.Tensor | None = None,
+        rows_out: list[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens for rows that draw; with `out`, out[i] = the final logits of row
+        rows_out[i] (what the draw saw)."""
         dev = logits.device
         temps = [r.params.temperature for r in requests]
         if any(t != 1.0 for t in temps):  # x / 1.0 is x: skip a pass over [B, V]
@@ -78,10 +103,12 @@ class Sampler:
             else:
                 idx = torch.tensor(rows, device=dev)
                 logits[idx] = truncate(logits[idx], top_k, top_p)
+        if out is not None and rows_out:
+            out.copy_(logits[rows_out])  # before the draw, which may work in place
         u = self._uniforms(requests, dev)
         if self.kernels is not None:
-            return self.kernels.softmax_draw(logits, u)
-        return draw(torch.softmax(logits, dim=-1), u)
+            return self.kernels.softmax_draw(logits, u), out
+        return draw(torch.softmax(logits, dim=-1), u), out
 
     def _uniforms(self, requests: list[Request], device: torch.device) -> torch.Tensor:
         """[B, 1] uniforms in [0, 1): seeded rows from their own generator."""

@@ -210,6 +210,7 @@ def engine_config(
         model_impl="native" if args.model_impl == "vllm" else args.model_impl,
         cpu_kernels=args.cpu_kernels,
         max_logprobs=args.max_logprobs,
+        logprobs_mode=args.logprobs_mode,
         data_parallel_size_local=max(topology.local_engines, 1),
         profiler=args.profiler_config,
         tokenizer=tokenizer_dir if tokenizer_dir != model_dir else None,

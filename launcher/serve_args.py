@@ -174,6 +174,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "(-1: the whole vocabulary)",
     )
     g.add_argument(
+        "--logprobs-mode",
+        choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"],
+        default="raw_logprobs",
+        help="what logprobs hold: the model's own distribution (raw) or the one sampled from "
+        "(processed: after penalties, logit_bias, temperature, min_p, top_k and top_p; for "
+        "greedy requests after penalties and bias), as logprobs or as logits; prompt "
+        "logprobs are always raw",
+    )
+    g.add_argument(
         "--chat-template",
         default=None,
         help="chat template (a file, or the template itself) overriding the model's",

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import threading
@@ -67,6 +68,7 @@ def server(flags_model, tmp_path_factory):
         "--allowed-headers", "Authorization,Content-Type",
         "--allow-credentials",
         "--max-logprobs", "5",
+        "--logprobs-mode", "processed_logprobs",
         "--metrics-prefix", "vllm",
         "--chat-template", str(template),
         "--trust-request-chat-template",
@@ -283,6 +285,25 @@ def test_max_logprobs_is_the_servers_limit(client, http):
         ),
     ]:
         assert_error(http.post(path, json=body), 400, param, ["6", "--max-logprobs 5"])
+
+
+def test_processed_logprobs_are_those_of_the_distribution_sampled_from(client, http):
+    """--logprobs-mode processed_logprobs: after top_k and temperature, two tokens are
+    left, whose probabilities sum to 1; a greedy request's logit_bias shows in its own."""
+    drawn = client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=4, temperature=0.7, logprobs=5, seed=3,
+        extra_body={"top_k": 2, "ignore_eos": True},
+    )  # fmt: skip
+    for top in drawn.choices[0].logprobs.top_logprobs:
+        left = [v for v in top.values() if v > -9999.0]  # the others are -inf, clamped
+        assert len(left) == 2 and math.isclose(sum(map(math.exp, left)), 1.0, rel_tol=1e-3)
+    biased = http.post(
+        "/v1/completions",
+        json={"prompt": "abc", "max_tokens": 3, "temperature": 0, "logprobs": 1,
+              "logit_bias": {"65": 100}, "return_tokens_as_token_ids": True},
+    ).json()["choices"][0]["logprobs"]  # fmt: skip
+    assert biased["tokens"] == ["token_id:65"] * 3
+    assert all(lp > -1e-3 for lp in biased["token_logprobs"])  # raw: about -log(320)
 
 
 def test_generation_config_supplies_defaults_that_requests_override(client):

@@ -236,3 +236,47 @@ def test_valid_params_pass_validation():
         allowed_token_ids=[1, 2, 3],
     )  # fmt: skip
     validate_request(_req(params), V)
+
+
+# --- --logprobs-mode processed_*: what each row's draw saw ----------------------------------
+
+
+def _keeping(logits, requests, keep, seed=0):
+    sampler = Sampler(V, torch.device("cpu"), seed)
+    with torch.inference_mode():
+        return sampler.sample_keeping(torch.tensor(logits, dtype=torch.float32), requests, keep)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_kept_rows_are_the_processed_logits_and_the_draws_are_unchanged(seed):
+    greedy = make_request(temperature=0, logit_bias={3: 5.0})
+    warm = make_request(temperature=0.5)
+    narrow = make_request(temperature=2.0, top_k=2)
+    requests = [greedy, warm, narrow]
+    logits = [ramp(4), ramp(6), ramp(1)]
+    tokens, kept = _keeping(logits, requests, [0, 2, 1], seed)
+    assert tokens.tolist() == sample(logits, *requests, seed=seed)
+    expected_greedy = torch.tensor(ramp(4))
+    expected_greedy[3] += 5.0  # the bias, no temperature
+    assert torch.equal(kept[0], expected_greedy)
+    assert torch.allclose(kept[2], torch.tensor(ramp(6)) / 0.5)  # row 1, at keep's 3rd
+    narrow_row = kept[1]  # top_k 2 of ramp(1): tokens 0, 1 and 2 tie for second place
+    assert torch.isfinite(narrow_row).sum() == 2 and narrow_row[1] == 0.0
+    assert narrow_row.max() == 0.0 and narrow_row.topk(2).values[1] == -0.5  # -1 / 2.0
+
+
+def test_all_random_and_all_greedy_batches_keep_their_rows():
+    tokens, kept = _keeping([ramp(2), ramp(5)], [make_request(temperature=0.25)] * 2, [1])
+    assert kept.shape == (1, V) and torch.allclose(kept[0], torch.tensor(ramp(5)) * 4)
+    tokens, kept = _keeping([ramp(2), ramp(5)], [make_request(temperature=0)] * 2, [0, 1])
+    assert tokens.tolist() == [2, 5] and torch.equal(kept, torch.tensor([ramp(2), ramp(5)]))
+    assert _keeping([ramp(2)], [make_request(temperature=0)], None)[1] is None
+
+
+def test_logits_mode_gives_the_values_themselves_with_the_same_ranks():
+    scores = torch.tensor([ramp(3)])
+    as_logprobs = logprobs_per_row(scores, torch.tensor([4]), [2])[0]
+    as_logits = logprobs_per_row(scores, torch.tensor([4]), [2], as_logits=True)[0]
+    assert as_logits.token_ids == as_logprobs.token_ids and as_logits.ranks == [2]
+    assert as_logits.logprobs == [[-1.0, 0.0, -1.0]]
+    assert as_logprobs.logprobs[0][1] < 0
