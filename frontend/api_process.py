@@ -23,6 +23,7 @@ from frontend.renderer import Renderer
 from frontend.serving import ServingContext
 from frontend.stats_logger import log_stats_forever
 from frontend.tokenizer_pool import TokenizerPool
+from frontend.tracing import RequestTracer
 
 log = logging.getLogger("zserve.api")
 
@@ -120,6 +121,10 @@ class APIProcess:
             fc.metrics_prefix, self.ctx.model_name, self.client, self.client.max_model_len
         )
         self.client.on_loop_lag = self.ctx.metrics.loop_lag.set
+        if fc.otlp_traces_endpoint:
+            self.ctx.tracer = RequestTracer(
+                fc.otlp_traces_endpoint, self.ctx.model_name, self.cfg.client_index
+            )
         if not fc.disable_log_stats and self.cfg.client_index == 0:
             self.tasks.append(asyncio.create_task(log_stats_forever(self.client)))
         self.tasks.append(asyncio.create_task(release_memory_forever(self.ctx)))
@@ -141,6 +146,8 @@ class APIProcess:
                 task.cancel()
             if self.tokenizers is not None:
                 self.tokenizers.close()
+            if self.ctx.tracer is not None:
+                self.ctx.tracer.close()
             self.client.close()
 
     def shutdown(self) -> None:

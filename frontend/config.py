@@ -57,6 +57,7 @@ class FrontendConfig:
     uds: str | None = None  # serve on this Unix socket, not host:port
     access_log: bool = True
     access_log_skip: list[str] = field(default_factory=list)  # paths without a line
+    otlp_traces_endpoint: str | None = None  # a span per request (frontend/tracing.py)
     sse_keep_alive_interval: float = 0.0
     stream_interval: int = 1
     max_num_queued_reqs: int | None = None

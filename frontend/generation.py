@@ -107,6 +107,7 @@ class Generation:
         self.event = Wakeup()
         self.arrival_time = now()
         self.keep_logprobs = False  # non-streaming responses collect every logprob row
+        self.trace_headers: dict[str, str] | None = None  # the caller's trace context
         self.done = False  # set once the serving context has recorded it
         self.params_n = n
         self.engine: EngineState | None = None

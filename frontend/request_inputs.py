@@ -22,6 +22,7 @@ from frontend.limits import (
     check_stop_strings,
 )
 from frontend.openai_models import INT64_MAX, INT64_MIN, SamplingFields
+from frontend.tracing import trace_headers
 
 if TYPE_CHECKING:
     from frontend.serving import ServingContext
@@ -50,6 +51,7 @@ class RequestInputs(Generic[S]):
     priority: int
     engine_rank: int | None  # X-data-parallel-rank; None: the balancer picks
     lora: str | None = None  # the LoRA adapter `model` names (None: the base model)
+    trace_headers: dict[str, str] | None = None  # traceparent/tracestate, when traced
 
 
 async def read_inputs(
@@ -85,7 +87,8 @@ async def read_inputs(
     check_prompt_count(num_prompts, ctx.limits, prompts_field)
     check_fan_out(num_prompts, body.n, ctx.limits)
     request_id = header_id or body.request_id or uuid.uuid4().hex
-    return RequestInputs(body, served, request_id, priority, engine_rank, lora)
+    traced = trace_headers(request.headers) if ctx.tracer is not None else None
+    return RequestInputs(body, served, request_id, priority, engine_rank, lora, traced)
 
 
 async def parse_body(ctx: ServingContext, request: Request, model: type[M]) -> M:

@@ -24,6 +24,7 @@ from frontend.renderer import Renderer
 from frontend.request_inputs import RequestInputs
 from frontend.sampling import Truncation, context_length_error
 from frontend.tokenizer_pool import INLINE_CHARS, TokenizerPool
+from frontend.tracing import RequestTracer
 from protocol.messages import SamplingParams
 
 log = logging.getLogger("zserve.api")
@@ -50,6 +51,7 @@ class ServingContext:
         self.renderer = renderer
         self.admission = admission
         self.metrics = metrics
+        self.tracer: RequestTracer | None = None  # --otlp-traces-endpoint
         self.tokenizers = tokenizers
         self.model_name = config.served_model_names[0]
         self.chat_parsers = load_chat_parsers(config)  # tool and reasoning formats
@@ -195,6 +197,7 @@ class ServingContext:
             lora_name=inputs.lora,
             cache_salt=body.cache_salt,
         )
+        generation.trace_headers = inputs.trace_headers
         self.preflight()  # again: the engines may have died while this one was rendered
         choices = generation.choices
         try:
@@ -240,6 +243,8 @@ class ServingContext:
         self.admission.release(len(generation.choices), waiting)
         if self.metrics is not None:
             self.metrics.observe_request(generation, generation.params_n)
+        if self.tracer is not None:
+            self.tracer.record(generation, time.time_ns())
 
     # GenerationObserver
     def first_token(self, choice: Choice) -> None:

@@ -1,5 +1,6 @@
 """The HTTP door's vLLM flags: TLS with client certificates and certificate refresh, a
-Unix socket instead of the TCP port (--uds), and the access log.
+Unix socket instead of the TCP port (--uds), and the access log; and the checks of the
+tracing flags (launcher/serve_feature_args.py, frontend/tracing.py).
 
 The supervisor reads the certificate files once before anything starts, so a bad file is
 one clear error rather than N API servers failing one by one. It also binds --uds
@@ -18,6 +19,7 @@ import stat
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from frontend.tracing import tracing_problem
 from launcher.port import PortBusyError
 
 if TYPE_CHECKING:
@@ -124,6 +126,14 @@ def http_door_refusal(args: argparse.Namespace) -> str | None:
             return (
                 f"--uds: a Unix socket path holds 1 to {MAX_UDS_PATH_BYTES} bytes, this one {size}"
             )
+    if args.collect_detailed_traces:
+        return (
+            "--collect-detailed-traces is not supported: zserve's spans carry each "
+            "request's queue, prefill, decode and end-to-end times, not per-step model timings"
+        )
+    problem = tracing_problem(args.otlp_traces_endpoint)
+    if problem:
+        return problem
     return _tls_files_problem(args) if args.ssl_certfile else None
 
 
@@ -152,6 +162,7 @@ def apply_http_door(frontend: FrontendConfig, args: argparse.Namespace) -> None:
     frontend.ssl_ciphers = args.ssl_ciphers
     frontend.ssl_refresh = args.enable_ssl_refresh
     frontend.uds = args.uds
+    frontend.otlp_traces_endpoint = args.otlp_traces_endpoint
     frontend.access_log = not args.disable_uvicorn_access_log
     frontend.access_log_skip = sorted(
         {p.strip() for p in (args.disable_access_log_for_endpoints or "").split(",") if p.strip()}

@@ -26,6 +26,7 @@ from launcher.serve_feature_args import (
     add_dev_args,
     add_lora_args,
     add_ray_args,
+    add_tracing_args,
 )
 from launcher.vllm_compat import add_compat_args
 
@@ -311,6 +312,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_limit_args(p)
 
     add_dev_args(p)
+
+    add_tracing_args(p)
 
     g = p.add_argument_group("processes")
     g.add_argument(

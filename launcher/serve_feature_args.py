@@ -131,6 +131,24 @@ def add_dev_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_tracing_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tracing", "OpenTelemetry spans, as vLLM exports them")
+    g.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="OTLP collector for one 'llm_request' span per request, a child of the "
+        "request's traceparent (gRPC unless OTEL_EXPORTER_OTLP_TRACES_PROTOCOL is "
+        "http/protobuf); needs pip install 'zserve[tracing]'",
+    )
+    g.add_argument(
+        "--collect-detailed-traces",
+        default=None,
+        metavar="MODULES",
+        help="vLLM's per-step model timings in spans: not supported (refused)",
+    )
+
+
 def add_ray_args(p: argparse.ArgumentParser) -> None:
     """`zserve serve`'s flags for engines on a Ray cluster."""
     g = p.add_argument_group(

@@ -26,6 +26,7 @@ from e2e_http import (
     sync_client,
     wait_for,
 )
+from e2e_otlp import OTLPCollector
 from zserve_proc import ZServe
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,7 +51,13 @@ def flags_model(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(flags_model, tmp_path_factory):
+def collector():
+    with OTLPCollector() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def server(flags_model, tmp_path_factory, collector):
     template = tmp_path_factory.mktemp("template") / "template.jinja"
     template.write_text(TEMPLATE)
     with ZServe(
@@ -69,12 +76,14 @@ def server(flags_model, tmp_path_factory):
         "--allow-credentials",
         "--max-logprobs", "5",
         "--logprobs-mode", "processed_logprobs",
+        "--otlp-traces-endpoint", collector.endpoint,
         "--metrics-prefix", "vllm",
         "--chat-template", str(template),
         "--trust-request-chat-template",
         "--disable-log-requests",
         "--disable-log-stats",
         "--enable-dev-routes",
+        env={"OTEL_BSP_SCHEDULE_DELAY": "100"},  # spans leave within 0.1 s
     ) as s:  # fmt: skip
         s.started_at = time.monotonic()
         yield s
@@ -304,6 +313,68 @@ def test_processed_logprobs_are_those_of_the_distribution_sampled_from(client, h
     ).json()["choices"][0]["logprobs"]  # fmt: skip
     assert biased["tokens"] == ["token_id:65"] * 3
     assert all(lp > -1e-3 for lp in biased["token_logprobs"])  # raw: about -log(320)
+
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+
+
+def test_each_choice_is_a_span_under_the_callers_trace(http, collector):
+    """--otlp-traces-endpoint: a request with a W3C traceparent gives one llm_request
+    span per choice, children of the caller's span, with vLLM's gen_ai attributes; one
+    without starts a trace of its own."""
+    headers = {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "x-request-id": "traced-1"}
+    body = {"prompt": "abc", "max_tokens": 5, "n": 2, "temperature": 0.5, "top_p": 0.9,
+            "ignore_eos": True}  # fmt: skip
+    assert http.post("/v1/completions", json=body, headers=headers).status_code == 200
+    body = {"prompt": "abcd", "max_tokens": 3}
+    assert (
+        http.post("/v1/completions", json=body, headers={"x-request-id": "own"}).status_code == 200
+    )
+    wait_for(
+        lambda: (
+            len(collector.with_attribute("gen_ai.request.id", "traced-1")) == 2
+            and collector.with_attribute("gen_ai.request.id", "own")
+        ),
+        timeout=20,
+        what="the spans at the collector",
+    )
+    traced = collector.with_attribute("gen_ai.request.id", "traced-1")
+    for span in traced:
+        assert span.name == "llm_request" and span.kind == 2  # SPAN_KIND_SERVER
+        assert (span.trace_id, span.parent_span_id) == (TRACE_ID, PARENT_ID)
+        a = span.attributes
+        assert a["gen_ai.response.model"] == MODEL and a["gen_ai.request.n"] == 2
+        assert a["gen_ai.request.max_tokens"] == 5 and a["gen_ai.usage.completion_tokens"] == 5
+        assert (
+            a["gen_ai.request.temperature"] == 0.5 and abs(a["gen_ai.request.top_p"] - 0.9) < 1e-6
+        )
+        assert a["gen_ai.usage.prompt_tokens"] > 0
+        assert a["gen_ai.response.finish_reasons"] == ["length"]
+        latency = {k.rsplit(".", 1)[1]: v for k, v in a.items() if k.startswith("gen_ai.latency.")}
+        assert 0 <= latency["time_in_queue"] <= latency["time_to_first_token"] <= latency["e2e"]
+        assert abs(span.end_ns - span.start_ns - latency["e2e"] * 1e9) < 1e6
+        assert span.resource["zserve.api_server"] == 0
+    assert len({s.span_id for s in traced}) == 2
+    (own,) = collector.with_attribute("gen_ai.request.id", "own")
+    assert own.trace_id not in (TRACE_ID, "0" * 32) and own.parent_span_id == ""
+
+
+@pytest.mark.parametrize(
+    "traceparent, tracestate",
+    [("00-zz-yy-01", "a=b"), (f"00-{'0' * 32}-{'0' * 16}-01", ""), ("x" * 4000, "k=v," * 900)],
+)
+def test_a_malformed_trace_context_starts_a_trace_of_its_own(
+    http, collector, traceparent, tracestate
+):
+    rid = f"bad-trace-{len(traceparent)}-{len(tracestate)}"
+    headers = {"traceparent": traceparent, "tracestate": tracestate, "x-request-id": rid}
+    body = {"prompt": "abc", "max_tokens": 2}
+    assert http.post("/v1/completions", json=body, headers=headers).status_code == 200
+    wait_for(lambda: collector.with_attribute("gen_ai.request.id", rid), timeout=20)
+    (span,) = collector.with_attribute("gen_ai.request.id", rid)
+    assert span.parent_span_id == "" and span.trace_id != "0" * 32
+    assert http.get("/health").status_code == 200
 
 
 def test_generation_config_supplies_defaults_that_requests_override(client):

@@ -45,11 +45,26 @@ def _args(*flags: str):
         ),
         (["--uds", "/tmp/" + "s" * MAX_UDS_PATH_BYTES], "holds 1 to 107 bytes, this one 112"),
         (["--ssl-certfile", "/nonexistent.pem"], "--ssl-certfile/--ssl-keyfile: cannot be used"),
+        (["--collect-detailed-traces", "all"], "--collect-detailed-traces is not supported"),
     ],
 )
 def test_each_refusal_names_the_flag_and_why(flags, reason):
     problem = http_door_refusal(_args(*flags))
     assert problem is not None and reason in problem, problem
+
+
+def test_the_tracing_protocol_comes_from_otels_variable(monkeypatch):
+    from frontend.tracing import RequestTracer
+
+    args = _args("--otlp-traces-endpoint", "http://127.0.0.1:4317")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
+    assert "'http/json' is not supported" in http_door_refusal(args)
+    for protocol, module in [("grpc", "grpc"), ("http/protobuf", "http")]:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", protocol)
+        assert http_door_refusal(args) is None
+        tracer = RequestTracer("http://127.0.0.1:4317", "m", 0)
+        assert f"otlp.proto.{module}." in type(tracer.exporter).__module__
+        tracer.close()  # nothing waiting: at once
 
 
 def test_an_unknown_cert_reqs_value_is_an_argparse_error(capsys):
