@@ -37,10 +37,12 @@ from frontend.openai_models import (
 from frontend.openapi import build_openapi
 from frontend.request_inputs import ClientDisconnected, json_body
 from frontend.responses import json_response
+from frontend.responses_input import ResponsesRequest
 from frontend.serving import ServingContext
 from frontend.serving_chat import create_batch_chat_completion, create_chat_completion
 from frontend.serving_completions import create_completion
 from frontend.serving_lora import load_lora_adapter, runtime_lora_updating, unload_lora_adapter
+from frontend.serving_responses import create_response, stored_response
 from frontend.serving_tokens import detokenize, tokenize, tokenizer_info
 
 VERSION = "0.1.0"
@@ -163,6 +165,9 @@ ROUTES: tuple[RouteSpec, ...] = (
         ("POST",),
         BatchChatCompletionRequest,
     ),
+    RouteSpec("/v1/responses", create_response, ("POST",), ResponsesRequest),
+    RouteSpec("/v1/responses/{response_id}", stored_response),
+    RouteSpec("/v1/responses/{response_id}/cancel", stored_response, ("POST",)),
     RouteSpec(
         "/invocations",
         invocations,

@@ -12,17 +12,16 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from frontend import orca, sse
+from frontend import orca
 from frontend.errors import APIError
-from frontend.generation import Generation
 from frontend.request_inputs import ClientDisconnected
 from frontend.serving import ServingContext
-from frontend.streaming_view import StreamingView
+from frontend.streaming_view import GenerationView
 
 log = logging.getLogger("zserve.api")
 
 
-async def respond(ctx: ServingContext, request: Request, view: StreamingView) -> Response:
+async def respond(ctx: ServingContext, request: Request, view: GenerationView) -> Response:
     """The response of a submitted generation, as the request asked for it."""
     generation = view.gen
     headers = {
@@ -32,7 +31,7 @@ async def respond(ctx: ServingContext, request: Request, view: StreamingView) ->
     if ctx.config.enable_request_id_headers:
         headers["x-request-id"] = header_safe(generation.request_id)
     if view.body.stream:
-        return _stream(ctx, generation, view.events(), headers)
+        return _stream(ctx, view, headers)
     try:
         await run_unless_disconnected(request, generation.drain)
     finally:
@@ -44,12 +43,11 @@ async def respond(ctx: ServingContext, request: Request, view: StreamingView) ->
 
 
 def _stream(
-    ctx: ServingContext,
-    generation: Generation,
-    events: AsyncIterator[bytes],
-    headers: dict[str, str],
+    ctx: ServingContext, view: GenerationView, headers: dict[str, str]
 ) -> StreamingResponse:
-    """HTTP 200 first; a later error becomes an error event; [DONE] always ends it."""
+    """HTTP 200 first; a later error becomes an error event; the view's last event
+    ([DONE] for completions and chat) always ends it."""
+    generation = view.gen
 
     async def body() -> AsyncIterator[bytes]:
         # Once every choice has finished, what is left (the last tokens' chunk, the
@@ -57,20 +55,20 @@ def _stream(
         # segment for the client to read instead of four.
         tail: list[bytes] = []
         try:
-            async for chunk in events:
+            async for chunk in view.events():
                 if generation.finished:
                     tail.append(chunk)
                 else:
                     yield chunk
         except APIError as e:
             log.error("request %s failed mid-stream: %s", generation.request_id, e.message)
-            tail.append(sse.event(e.body()))
+            tail.append(view.error_event(e.body()))
         except Exception:
             log.exception("request %s failed mid-stream", generation.request_id)
-            tail.append(sse.event(APIError("internal server error", 500).body()))
+            tail.append(view.error_event(APIError("internal server error", 500).body()))
         finally:
             ctx.finish(generation)
-        tail.append(sse.DONE)
+        tail.append(view.done)
         yield LastChunk(b"".join(tail))
 
     return _GenerationStream(

@@ -16,7 +16,7 @@ from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
 from frontend.logprobs import chat_logprobs, prompt_logprobs
 from frontend.openai_models import BatchChatCompletionRequest, ChatCompletionRequest, ChatMessage
-from frontend.request_inputs import read_inputs
+from frontend.request_inputs import RequestInputs, read_inputs
 from frontend.responses import respond
 from frontend.sampling import logprob_count, sampling_params, shown_logprobs
 from frontend.serving import ServingContext
@@ -30,6 +30,25 @@ from protocol.messages import StructuredOutputs
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
     inputs = await read_inputs(ctx, request, ChatCompletionRequest)
+    generation, parser, tool_choice = await submit_chat(ctx, inputs)
+    view = ChatView(
+        ctx,
+        inputs.body,
+        generation,
+        f"chatcmpl-{inputs.request_id}",
+        inputs.model,
+        [inputs.body.messages],
+        parser,
+        tool_choice,
+    )
+    return await respond(ctx, request, view)
+
+
+async def submit_chat(
+    ctx: ServingContext, inputs: RequestInputs, max_tokens_field: str | None = None
+) -> tuple[Generation, ChatOutputParser | None, ToolChoice]:
+    """One conversation's prompt, with its tools, reasoning and output constraint,
+    submitted; the parser its output is read through. (/v1/responses too.)"""
     body = inputs.body
     if body.use_beam_search:
         check_beam_search(body, completions=False)
@@ -51,18 +70,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     if constraint is not None:
         end_ids = reasoning_end_ids(parsers, parser, _encode_plain(ctx))
         constraint = msgspec.structs.replace(constraint, reasoning_end_ids=end_ids)
-    generation = _submit(ctx, inputs, [prompt_ids], constraint)
-    view = ChatView(
-        ctx,
-        body,
-        generation,
-        f"chatcmpl-{inputs.request_id}",
-        inputs.model,
-        [body.messages],
-        parser,
-        tools.choice,
-    )
-    return await respond(ctx, request, view)
+    return _submit(ctx, inputs, [prompt_ids], constraint, max_tokens_field), parser, tools.choice
 
 
 async def create_batch_chat_completion(ctx: ServingContext, request: Request) -> Response:
@@ -97,14 +105,17 @@ def _submit(
     inputs,
     prompts: list[list[int]],
     constraint: StructuredOutputs | None,
+    max_tokens_field: str | None = None,
 ) -> Generation:
     body: ChatCompletionRequest = inputs.body
+    if max_tokens_field is None:
+        max_tokens_field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     params = sampling_params(
         ctx,
         body,
         prompts,
         max_tokens=body.effective_max_tokens,
-        max_tokens_field="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+        max_tokens_field=max_tokens_field,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         logprobs_field="top_logprobs",
     )

@@ -18,8 +18,11 @@ if TYPE_CHECKING:
     from frontend.serving import ServingContext
 
 
-class StreamingView(ABC):
-    """The SSE loop of a generation, and the four things an endpoint must say."""
+class GenerationView(ABC):
+    """What respond() (responses.py) needs of an endpoint: its stream's events, its
+    whole response, and how its stream ends and reports an error."""
+
+    done: bytes = sse.DONE  # the stream's last event, after every other
 
     def __init__(
         self, ctx: ServingContext, body: SamplingFields, gen: Generation, id_: str, model: str
@@ -30,6 +33,22 @@ class StreamingView(ABC):
         self.id = id_
         self.model = model
         self.created = int(time.time())
+
+    @abstractmethod
+    def events(self) -> AsyncIterator[bytes]:
+        """The stream's SSE bytes, batch by batch."""
+
+    @abstractmethod
+    def response(self) -> dict:
+        """The whole non-streaming response, once the generation is done."""
+
+    def error_event(self, error: dict) -> bytes:
+        """An error after the HTTP 200 (`error`: the error body)."""
+        return sse.event(error)
+
+
+class StreamingView(GenerationView):
+    """The chunk SSE loop of completions and chat, and the three things each must say."""
 
     @abstractmethod
     def stream_choices(self, delta: ChoiceDelta) -> list[dict]:
@@ -49,10 +68,6 @@ class StreamingView(ABC):
             return self.chunk([choice], None)
         prompt_tokens = len(self.gen.choices[d.index].prompt_ids)
         return self.chunk([choice], running_usage(prompt_tokens, d.num_generated))
-
-    @abstractmethod
-    def response(self) -> dict:
-        """The whole non-streaming response, once the generation is done."""
 
     async def events(self) -> AsyncIterator[bytes]:
         """Hot path: one chunk per token (per --stream-interval tokens)."""

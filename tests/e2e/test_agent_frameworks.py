@@ -11,7 +11,7 @@ from typing import Literal
 import agents
 import pydantic
 import pytest
-from e2e_http import MODEL
+from e2e_http import EOS, MODEL
 from langchain_openai import ChatOpenAI
 from openai import AsyncOpenAI
 
@@ -114,3 +114,47 @@ def test_openai_agents_chat_completions_model_runs_a_required_tool(tools_server)
     assert calls and all(c["city"] in CITIES for c in calls), calls
     assert result.final_output == get_weather(**calls[0])
     json.dumps(calls)  # plain JSON values reached the function
+
+
+def test_openai_agents_responses_model_runs_a_tool_and_answers_with_its_output(tools_server):
+    """The Agents SDK's default model class speaks /v1/responses. Turn one: a required
+    tool call (a function_call item); turn two: the tool's output goes back as a
+    function_call_output item and the model answers in text."""
+    agents.set_tracing_disabled(True)
+    calls: list[dict] = []
+
+    @agents.function_tool
+    def weather(city: Literal["Paris", "Rome", "Oslo"], unit: Literal["C", "F"]) -> str:
+        """The weather in a city."""
+        calls.append({"city": city, "unit": unit})
+        return get_weather(city, unit)
+
+    async def run() -> object:
+        client = AsyncOpenAI(
+            base_url=tools_server.base_url + "/v1", api_key="none", max_retries=0, timeout=120
+        )
+        agent = agents.Agent(
+            name="forecaster",
+            instructions="Answer with the weather tool.",
+            tools=[weather],
+            model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
+            # EOS made likely: the call's grammar holds it back until the call is
+            # whole; the answer (turn two) then ends at once, not at max_tokens.
+            model_settings=agents.ModelSettings(
+                tool_choice="required",
+                max_tokens=150,
+                extra_body={"seed": 4, "logit_bias": {str(EOS): 50, str(ord("]")): 3}},
+            ),
+            # after the tool ran, the model answers freely (tool_choice back to auto)
+            reset_tool_choice=True,
+        )
+        try:
+            return await agents.Runner.run(agent, "Weather in Oslo?", max_turns=3)
+        finally:
+            await client.close()
+
+    result = asyncio.run(run())
+    assert calls and all(c["city"] in CITIES for c in calls), calls
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"], kinds
+    assert kinds[-1] == "message_output_item" and isinstance(result.final_output, str)

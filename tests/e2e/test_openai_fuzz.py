@@ -17,6 +17,7 @@ pytestmark = pytest.mark.timeout(240)
 ROUTES = [
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/responses",
     "/tokenize",
     "/detokenize",
     "/invocations",
@@ -98,9 +99,19 @@ MESSAGE = st.fixed_dictionaries(
         "tool_calls": JSON,
     },
 )
+# A /v1/responses input item that is not a message.
+ITEM = st.fixed_dictionaries(
+    {
+        "type": st.sampled_from(
+            ["function_call", "function_call_output", "reasoning", "item_reference", "x"]
+        )
+        | LEAF
+    },
+    optional={"call_id": LEAF, "name": LEAF, "arguments": LEAF, "output": LEAF | JSON},
+)
 # Generation size is bounded (valid values only small) so the property runs in seconds.
 SMALL = st.integers(min_value=-3, max_value=8)
-SIZE_FIELDS = {"max_tokens", "max_completion_tokens", "min_tokens", "n"}
+SIZE_FIELDS = {"max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens", "n"}
 
 
 # Plausible values of every field (often valid, sometimes not); junk() adds anything.
@@ -166,6 +177,23 @@ FIELDS: dict[str, st.SearchStrategy] = {
     "return_token_strs": st.booleans(),
     "use_beam_search": st.booleans(),
     "structured_outputs": JSON,
+    # /v1/responses
+    "input": st.text(max_size=40) | st.lists(MESSAGE | ITEM, max_size=4),
+    "instructions": st.text(max_size=20) | LEAF,
+    "max_output_tokens": SMALL,
+    "text": st.fixed_dictionaries(
+        {},
+        optional={
+            "format": st.fixed_dictionaries(
+                {"type": st.sampled_from(["text", "json_object", "json_schema", "x"]) | LEAF},
+                optional={"schema": JSON, "name": LEAF},
+            )
+        },
+    ),
+    "reasoning": JSON,
+    "include": st.lists(st.sampled_from(["message.output_text.logprobs", "x"]) | LEAF),
+    "previous_response_id": st.text(max_size=8) | LEAF,
+    "truncation": st.sampled_from(["auto", "disabled", "middle"]) | LEAF,
 }
 # What each route needs to get past the first check, most of the time.
 BASES = {
@@ -173,6 +201,7 @@ BASES = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
     "/tokenize": {"prompt": "hi"},
     "/detokenize": {"tokens": [104, 105]},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 4},
     "/invocations": {"prompt": "hi"},
     "/ping": {},
 }
@@ -196,6 +225,8 @@ def field_bodies(draw) -> tuple[str, dict]:
         body[name] = draw(junk(name) if wild else FIELDS[name])
     if "messages" in body and not {"max_tokens", "max_completion_tokens"} & body.keys():
         body["max_tokens"] = 4  # chat's default is the whole context: too slow here
+    if route == "/v1/responses" and "max_output_tokens" not in body:
+        body["max_output_tokens"] = 4
     return route, body
 
 

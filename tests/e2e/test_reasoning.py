@@ -6,6 +6,7 @@ tests/unit/test_chat_tools.py."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -91,3 +92,27 @@ def test_an_output_cut_inside_reasoning_is_all_reasoning(client):
     choice = r.choices[0]
     assert choice.finish_reason == "length" and choice.message.content is None
     assert len(choice.message.reasoning) == 2
+
+
+def test_the_responses_api_gives_a_reasoning_item_then_the_message(client, server):
+    """/v1/responses reads the output through the same parser: a reasoning item (its
+    text in a reasoning_text part), then the answer's message; streamed, the reasoning
+    deltas and the text deltas rebuild both."""
+    kwargs = dict(model=MODEL, input="Think, then answer.", max_output_tokens=40)
+    r = client.responses.create(**kwargs, extra_body=forced(seed=1))
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    reasoning = r.output[0].content[0].text
+    assert re.fullmatch(r"[a-z ]{3,12}", reasoning) and re.fullmatch(r"[0-9]{1,3}", r.output_text)
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+    with http_client(server) as http:
+        body = {**kwargs, **forced(seed=1), "stream": True}
+        with http.stream("POST", "/v1/responses", json=body) as stream:
+            text = stream.read().decode()
+    payloads = [
+        json.loads(line[len("data: ") :]) for line in text.splitlines() if line.startswith("data: ")
+    ]
+    thought = "".join(p["delta"] for p in payloads if p["type"] == "response.reasoning_text.delta")
+    answer = "".join(p["delta"] for p in payloads if p["type"] == "response.output_text.delta")
+    assert (thought, answer) == (reasoning, r.output_text)
+    final = payloads[-1]["response"]
+    assert [item["type"] for item in final["output"]] == ["reasoning", "message"]
