@@ -56,7 +56,8 @@ def ask(client: httpx.Client, case: Case, model: str, api_key: str | None) -> An
     if api_key and case.auth:
         headers["Authorization"] = f"Bearer {api_key}"
     body = case.body
-    if body is not None and case.path.endswith(("completions", "batch")) and "model" not in body:
+    generation = ("completions", "batch", "responses", "messages", "count_tokens")
+    if body is not None and case.path.endswith(generation) and "model" not in body:
         body = {"model": model, **body}
     r = client.request(case.method, case.path, json=body, headers=headers)
     kind = r.headers.get("content-type", "").split(";")[0]

@@ -53,6 +53,7 @@ class Case:
 
 USER = [{"role": "user", "content": "hi"}]
 C, CHAT = "/v1/completions", "/v1/chat/completions"
+RESPONSES, MESSAGES = "/v1/responses", "/v1/messages"
 
 
 def _usage_counts(events: list[dict]) -> list:
@@ -227,6 +228,23 @@ DEFAULT: list[Case] = [
     Case("-", "unknown model: 404", "POST", C, {"model": "nope", "prompt": "a"}),
     Case("-", "stream_options without stream: 400", "POST", C,
          {"prompt": "a", "stream_options": {"include_usage": True}}),
+    # OpenAI's Responses API and Anthropic's Messages API
+    Case("-", "responses: text", "POST", RESPONSES, {"input": "hi", "max_output_tokens": 3},
+         probe=lambda d: (d["status"], [i["type"] for i in d["output"]], sorted(d["usage"]))),
+    Case("-", "responses: the stream's events", "POST", RESPONSES,
+         {"input": "hi", "max_output_tokens": 3, "stream": True},
+         probe=lambda events: [e["type"] for e in events]),
+    Case("-", "responses: a non-function tool is a 400", "POST", RESPONSES,
+         {"input": "hi", "tools": [{"type": "web_search"}]}),
+    Case("-", "messages: text", "POST", MESSAGES, {"messages": USER, "max_tokens": 3},
+         probe=lambda d: ([b["type"] for b in d["content"]], d["stop_reason"],
+                          sorted(d["usage"]))),
+    Case("-", "messages: the stream's events", "POST", MESSAGES,
+         {"messages": USER, "max_tokens": 3, "stream": True},
+         probe=lambda events: [e["type"] for e in events]),
+    Case("-", "messages: count_tokens", "POST", MESSAGES + "/count_tokens",
+         {"messages": USER, "system": "be brief"}, probe=lambda d: d["input_tokens"]),
+    Case("-", "messages: no max_tokens is a 400", "POST", MESSAGES, {"messages": USER}),
 ]  # fmt: skip
 
 FLAGS: list[Case] = [

@@ -16,3 +16,8 @@ def bearer_matches(value: bytes | str | None, expected: bytes) -> bool:
     scheme, _, token = value.partition(b" ")
     given = token.strip() if scheme.lower() == b"bearer" else b""
     return hmac.compare_digest(given, expected)
+
+
+def key_matches(value: bytes | None, expected: bytes) -> bool:
+    """Whether an `x-api-key` value (Anthropic's clients send the key there) is `expected`."""
+    return value is not None and hmac.compare_digest(value.strip(), expected)

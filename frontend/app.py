@@ -20,6 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from frontend import serving_dev as dev
+from frontend.anthropic_input import CountTokensRequest, MessagesRequest
 from frontend.config import FrontendConfig
 from frontend.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
 from frontend.http_limits import BodyLimitMiddleware
@@ -39,6 +40,7 @@ from frontend.request_inputs import ClientDisconnected, json_body
 from frontend.responses import json_response
 from frontend.responses_input import ResponsesRequest
 from frontend.serving import ServingContext
+from frontend.serving_anthropic import count_tokens, create_message
 from frontend.serving_chat import create_batch_chat_completion, create_chat_completion
 from frontend.serving_completions import create_completion
 from frontend.serving_lora import load_lora_adapter, runtime_lora_updating, unload_lora_adapter
@@ -166,6 +168,8 @@ ROUTES: tuple[RouteSpec, ...] = (
         BatchChatCompletionRequest,
     ),
     RouteSpec("/v1/responses", create_response, ("POST",), ResponsesRequest),
+    RouteSpec("/v1/messages", create_message, ("POST",), MessagesRequest),
+    RouteSpec("/v1/messages/count_tokens", count_tokens, ("POST",), CountTokensRequest),
     RouteSpec("/v1/responses/{response_id}", stored_response),
     RouteSpec("/v1/responses/{response_id}/cancel", stored_response, ("POST",)),
     RouteSpec(

@@ -81,26 +81,26 @@ def check_fan_out(num_prompts: int, n: int, limits: RequestLimits) -> None:
         )
 
 
-def check_stop_strings(stop: list[str], limits: RequestLimits) -> None:
+def check_stop_strings(stop: list[str], limits: RequestLimits, field: str = "stop") -> None:
     if len(stop) > limits.max_stop_strings:
         raise APIError(
-            f"stop has {len(stop)} strings; at most {limits.max_stop_strings} are allowed "
+            f"{field} has {len(stop)} strings; at most {limits.max_stop_strings} are allowed "
             f"(--max-stop-strings)",
-            param="stop",
+            param=field,
         )
     for s in stop:
         if len(s) > limits.max_stop_chars:
             raise APIError(
-                f"stop holds a string of {len(s)} characters; at most {limits.max_stop_chars} "
-                f"per string are allowed (--max-stop-string-length)",
-                param="stop",
+                f"{field} holds a string of {len(s)} characters; at most "
+                f"{limits.max_stop_chars} per string are allowed (--max-stop-string-length)",
+                param=field,
             )
 
 
-def check_message_count(count: int, limits: RequestLimits) -> None:
+def check_message_count(count: int, limits: RequestLimits, field: str = "messages") -> None:
     if count > limits.max_messages:
         raise APIError(
-            f"messages has {count} entries; at most {limits.max_messages} are allowed "
+            f"{field} has {count} entries; at most {limits.max_messages} are allowed "
             f"(--max-chat-messages)",
-            param="messages",
+            param=field,
         )

@@ -10,12 +10,13 @@ from starlette.applications import Starlette
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from frontend.api_key import bearer_matches
+from frontend.api_key import bearer_matches, key_matches
 from frontend.errors import error_response
 
 
 class APIKeyMiddleware:
-    """Every route needs `Authorization: Bearer <key>` except `open_paths` (the probes
+    """Every route needs `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`)
+    except `open_paths` (the probes
     and the scrape route, and those of --api-key-open-paths: app.api_key_open_paths)
     and CORS preflights; compared in constant time (api_key.py). Unlike vLLM's key,
     which guards /v1 only, it guards /tokenize, /detokenize, /invocations and /load
@@ -34,9 +35,12 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         given = next((v for name, v in scope["headers"] if name == b"authorization"), None)
-        if not bearer_matches(given, self.expected):
+        header_key = next((v for name, v in scope["headers"] if name == b"x-api-key"), None)
+        if not (bearer_matches(given, self.expected) or key_matches(header_key, self.expected)):
             response = error_response(
-                "Unauthorized: send the API key as 'Authorization: Bearer <key>'", 401
+                "Unauthorized: send the API key as 'Authorization: Bearer <key>' (or as "
+                "'x-api-key: <key>')",
+                401,
             )
             await response(scope, receive, send)
             return

@@ -77,7 +77,7 @@ def chat_request(body: ResponsesRequest, limits: RequestLimits) -> ChatCompletio
     if isinstance(body.input, str):
         messages.append({"role": "user", "content": body.input})
     else:
-        check_message_count(len(body.input), limits)  # before reading any of them
+        check_message_count(len(body.input), limits, "input")  # before reading any of them
         messages.extend(_messages(body.input))
     if not messages:
         raise APIError("input: must hold at least one item", param="input")

@@ -29,6 +29,7 @@ from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
 from frontend.logprobs import chat_logprobs
 from frontend.openai_models import ChatCompletionRequest
+from frontend.output_blocks import REASONING, TEXT, TOOL, Block, BlockStream
 from frontend.request_inputs import read_inputs
 from frontend.responses import respond
 from frontend.responses_input import ResponsesRequest, chat_request
@@ -68,39 +69,38 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _item(kind: str, text: str = "", status: str = "completed", logprobs=None, **extra) -> dict:
-    """A finished (or, with status in_progress, just opened) output item."""
-    item_id = extra.pop("id")
-    if kind == "message":
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-        content = [part] if status != "in_progress" else []
+_ID_PREFIX = {TEXT: "msg", REASONING: "rs", TOOL: "fc"}
+
+
+def _item(block: Block, status: str = "completed") -> dict:
+    """The output item of a block: finished, or (status in_progress) just opened."""
+    opened = status == "in_progress"
+    if block.kind == TEXT:
+        part = {
+            "type": "output_text", "text": block.text, "annotations": [],
+            "logprobs": block.logprobs,
+        }  # fmt: skip
+        content = [] if opened else [part]
         return {
-            "type": "message", "id": item_id, "role": "assistant", "status": status,
+            "type": "message", "id": block.id, "role": "assistant", "status": status,
             "content": content,
         }  # fmt: skip
-    if kind == "reasoning":
-        content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+    if block.kind == REASONING:
+        content = [] if opened else [{"type": "reasoning_text", "text": block.text}]
         return {
             "type": "reasoning",
-            "id": item_id,
+            "id": block.id,
             "summary": [],
             "content": content,
             "status": status,
         }
-    return {"type": "function_call", "id": item_id, "status": status, "arguments": text, **extra}
+    return {
+        "type": "function_call", "id": block.id, "call_id": block.call_id, "name": block.name,
+        "arguments": "" if opened else block.text, "status": status,
+    }  # fmt: skip
 
 
-@dataclasses.dataclass
-class _OpenItem:
-    kind: str  # message | reasoning | function_call
-    id: str
-    index: int  # output_index
-    text: str = ""  # the text so far (a call's arguments)
-    extra: dict = dataclasses.field(default_factory=dict)  # a call's call_id and name
-    logprobs: list = dataclasses.field(default_factory=list)
-
-
-class ResponsesView(GenerationView):
+class ResponsesView(BlockStream, GenerationView):
     done = b""  # a Responses stream ends with response.completed, no [DONE]
 
     def __init__(
@@ -120,9 +120,8 @@ class ResponsesView(GenerationView):
         self.top_n = shown_logprobs(chat.top_logprobs, None, ctx.vocab_size)
         self.as_ids = ctx.tokens_as_ids(chat)
         self.sequence = 0
-        self.items: list[dict] = []  # finished output items, in order
-        self.open: _OpenItem | None = None
         self.pending: list[dict] = []  # logprob entries not yet on a text delta
+        self.start_blocks()
 
     # --- the whole response ----------------------------------------------------------------
 
@@ -131,25 +130,20 @@ class ResponsesView(GenerationView):
         text = choice.detok.text
         parsed = self.parser.parse(text) if self.parser else ParsedMessage(content=text)
         status = "incomplete" if choice.finish_reason == "length" else "completed"
-        output = []
+        blocks = []
         if parsed.reasoning:
-            output.append(_item("reasoning", parsed.reasoning, id=_new_id("rs")))
-        logprobs = None
-        if self.logprobs:
-            logprobs = [e for rows in choice.logprob_rows for e in self._logprobs(rows)]
-        if parsed.content or not (output or parsed.tool_calls):
-            message = _item("message", parsed.content or "", status, logprobs, id=_new_id("msg"))
-            output.append(message)
+            blocks.append(Block(REASONING, text=parsed.reasoning))
+        if parsed.content or not (blocks or parsed.tool_calls):
+            logprobs = []
+            if self.logprobs:
+                logprobs = [e for rows in choice.logprob_rows for e in self._logprobs(rows)]
+            blocks.append(Block(TEXT, text=parsed.content or "", logprobs=logprobs))
         for call in parsed.tool_calls:
-            output.append(
-                _item(
-                    "function_call",
-                    call.arguments,
-                    id=_new_id("fc"),
-                    call_id=call.id,
-                    name=call.name,
-                )
-            )
+            blocks.append(Block(TOOL, text=call.arguments, call_id=call.id, name=call.name))
+        output = []
+        for block in blocks:
+            block.id = _new_id(_ID_PREFIX[block.kind])
+            output.append(_item(block, status if block.kind == TEXT else "completed"))
         return self._envelope(status, output, parsed.reasoning)
 
     def _envelope(self, status: str, output: list[dict], reasoning: str | None = "") -> dict:
@@ -217,7 +211,6 @@ class ResponsesView(GenerationView):
         yield self._event("response.created", response=start) + self._event(
             "response.in_progress", response=start
         )
-        reasoning_text: list[str] = []
         async for batch in self.gen.deltas(
             config.sse_keep_alive_interval or None, config.stream_interval
         ):
@@ -226,24 +219,35 @@ class ResponsesView(GenerationView):
                 continue
             out: list[bytes] = []
             for d in batch:
-                out.extend(self._delta_events(d, reasoning_text))
+                out.extend(self._delta_events(d))
             if out:
                 yield b"".join(out)
         choice = self.gen.choices[0]
         if not choice.finished:  # aborted: the stream just ends (the client is gone)
             return
-        out = self._close()
-        if not self.items:  # nothing at all was generated: an empty message still answers
-            self._open("message")
-            out += self._close()
+        out = self._flush_logprobs() + self.close_block()
+        if not self.closed:  # nothing at all was generated: an empty message still answers
+            out += self.append(TEXT, "") + self.close_block()
         status = "incomplete" if choice.finish_reason == "length" else "completed"
-        final = self._envelope(status, self.items, "".join(reasoning_text))
+        items = [_item(b, self._status(b)) for b in self.closed]
+        reasoning = "".join(b.text for b in self.closed if b.kind == REASONING)
+        final = self._envelope(status, items, reasoning)
         # response.completed whatever the status, as vLLM sends it: the SDK's stream
         # helper (get_final_response) waits for that event alone.
         out.append(self._event("response.completed", response=final))
         yield b"".join(out)
 
-    def _delta_events(self, d: ChoiceDelta, reasoning_text: list[str]) -> list[bytes]:
+    def _status(self, block: Block) -> str:
+        cut = self.gen.choices[0].finish_reason == "length"
+        return "incomplete" if block.kind == TEXT and cut else "completed"
+
+    def _flush_logprobs(self) -> list[bytes]:
+        """Logprobs of tokens whose text never showed, on a last empty text delta."""
+        if self.pending and self.open is not None and self.open.kind == TEXT:
+            return self.append(TEXT, "")
+        return []
+
+    def _delta_events(self, d: ChoiceDelta) -> list[bytes]:
         if self.logprobs and d.logprobs is not None:
             self.pending.extend(self._logprobs(d.logprobs))
         if self.stream_state is None:
@@ -252,102 +256,57 @@ class ResponsesView(GenerationView):
             pieces = self.stream_state.feed(d.text)
             if d.finish_reason:
                 pieces += self.stream_state.finish()
-        out: list[bytes] = []
-        for piece in pieces:
-            if piece.reasoning is not None:
-                reasoning_text.append(piece.reasoning)
-                out += self._text_delta("reasoning", piece.reasoning)
-            elif piece.tool_call is not None:
-                call = piece.tool_call
-                if call.id is not None:  # a call's first piece
-                    out += self._close()
-                    out += self._open("function_call", call_id=call.id, name=call.name)
-                if call.arguments:
-                    self.open.text += call.arguments
-                    out.append(
-                        self._event(
-                            "response.function_call_arguments.delta",
-                            item_id=self.open.id,
-                            output_index=self.open.index,
-                            delta=call.arguments,
-                        )
-                    )
-            elif piece.content:
-                out += self._text_delta("message", piece.content)
-        return out
+        return self.feed_pieces(pieces)
 
-    def _text_delta(self, kind: str, text: str) -> list[bytes]:
-        out: list[bytes] = []
-        if self.open is None or self.open.kind != kind:
-            out += self._close()
-            out += self._open(kind)
-        item = self.open
-        item.text += text
-        where = {"item_id": item.id, "output_index": item.index, "content_index": 0}
-        if kind == "reasoning":
-            out.append(self._event("response.reasoning_text.delta", **where, delta=text))
-        else:
-            logprobs, self.pending = self.pending, []
-            item.logprobs += logprobs
-            out.append(
-                self._event("response.output_text.delta", **where, delta=text, logprobs=logprobs)
-            )
-        return out
+    # BlockStream: what opening, a delta and closing an item send
 
-    def _open(self, kind: str, **extra) -> list[bytes]:
-        prefix = {"message": "msg", "reasoning": "rs", "function_call": "fc"}[kind]
-        self.open = _OpenItem(kind, _new_id(prefix), len(self.items), extra=extra)
-        item = _item(kind, "", "in_progress", id=self.open.id, **extra)
-        out = [self._event("response.output_item.added", output_index=self.open.index, item=item)]
-        if kind == "message":
+    def open_events(self, block: Block) -> list[bytes]:
+        block.id = _new_id(_ID_PREFIX[block.kind])
+        item = _item(block, "in_progress")
+        out = [self._event("response.output_item.added", output_index=block.index, item=item)]
+        if block.kind == TEXT:
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            out.append(
-                self._event(
-                    "response.content_part.added",
-                    item_id=self.open.id,
-                    output_index=self.open.index,
-                    content_index=0,
-                    part=part,
-                )
-            )
+            out.append(self._event("response.content_part.added", **self._where(block), part=part))
         return out
 
-    def _close(self) -> list[bytes]:
-        out: list[bytes] = []
-        if self.pending and self.open is not None and self.open.kind == "message":
-            out += self._text_delta("message", "")  # the held-back tokens' logprobs
-        item, self.open = self.open, None
-        if item is None:
-            return out
-        choice = self.gen.choices[0]
-        status = (
-            "incomplete"
-            if item.kind == "message" and choice.finish_reason == "length"
-            else "completed"
-        )
-        done = _item(item.kind, item.text, status, item.logprobs, id=item.id, **item.extra)
-        self.items.append(done)
-        where = {"item_id": item.id, "output_index": item.index}
-        if item.kind == "message":
-            out += [
+    def delta_events(self, block: Block, text: str) -> list[bytes]:
+        if block.kind == TOOL:
+            where = {"item_id": block.id, "output_index": block.index}
+            return [self._event("response.function_call_arguments.delta", **where, delta=text)]
+        if block.kind == REASONING:
+            return [self._event("response.reasoning_text.delta", **self._where(block), delta=text)]
+        logprobs, self.pending = self.pending, []
+        block.logprobs += logprobs
+        return [
+            self._event(
+                "response.output_text.delta", **self._where(block), delta=text, logprobs=logprobs
+            )
+        ]
+
+    def close_events(self, block: Block) -> list[bytes]:
+        done = _item(block, self._status(block))
+        if block.kind == TEXT:
+            out = [
                 self._event(
-                    "response.output_text.done", **where, content_index=0, text=item.text,
-                    logprobs=item.logprobs,
+                    "response.output_text.done", **self._where(block), text=block.text,
+                    logprobs=block.logprobs,
                 ),
-                self._event("response.content_part.done", **where, content_index=0, part=done["content"][0]),
+                self._event("response.content_part.done", **self._where(block), part=done["content"][0]),
             ]  # fmt: skip
-        elif item.kind == "reasoning":
-            out += [
-                self._event(
-                    "response.reasoning_text.done", **where, content_index=0, text=item.text
-                )
+        elif block.kind == REASONING:
+            out = [
+                self._event("response.reasoning_text.done", **self._where(block), text=block.text)
             ]
         else:
-            out += [
+            out = [
                 self._event(
-                    "response.function_call_arguments.done", **where, arguments=item.text,
-                    name=item.extra.get("name"),
+                    "response.function_call_arguments.done", item_id=block.id,
+                    output_index=block.index, arguments=block.text, name=block.name,
                 )
             ]  # fmt: skip
-        out.append(self._event("response.output_item.done", output_index=item.index, item=done))
+        out.append(self._event("response.output_item.done", output_index=block.index, item=done))
         return out
+
+    @staticmethod
+    def _where(block: Block) -> dict:
+        return {"item_id": block.id, "output_index": block.index, "content_index": 0}

@@ -12,6 +12,7 @@ import shutil
 import threading
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -154,6 +155,24 @@ def test_the_bearer_scheme_is_matched_case_insensitively(server):
     r = httpx.get(url, headers={"Authorization": f"Bearer {KEY.upper()}"}, timeout=30)
     assert_error(r, 401)
     assert_error(httpx.get(url, headers={"Authorization": f"Basic {KEY}"}, timeout=30), 401)
+
+
+def test_anthropics_x_api_key_header_carries_the_key_too(server):
+    """Anthropic's clients send the key as x-api-key; a wrong or missing one is a 401."""
+    with anthropic.Anthropic(base_url=server.base_url, api_key=KEY, max_retries=0) as claude:
+        m = claude.messages.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert m.usage.output_tokens == 2
+    url = server.base_url + "/v1/models"
+    assert httpx.get(url, headers={"x-api-key": KEY}, timeout=30).status_code == 200
+    for wrong in (KEY.upper(), "", KEY[:-1]):
+        assert_error(httpx.get(url, headers={"x-api-key": wrong}, timeout=30), 401)
+    with anthropic.Anthropic(base_url=server.base_url, api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(anthropic.AuthenticationError):
+            bad.messages.create(
+                model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}]
+            )
 
 
 def test_the_sdk_sees_a_wrong_key_as_an_authentication_error(server, client):

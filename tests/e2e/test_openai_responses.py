@@ -193,7 +193,7 @@ def test_text_format_json_schema_constrains_the_output(tools_client):
         ({"text": {"format": {"type": "yaml"}}}, "text.format.type", ["json_schema"]),
         ({"max_output_tokens": 0}, "max_output_tokens", []),
         ({"max_output_tokens": 10**6}, "max_output_tokens", ["max_model_len"]),
-        ({"input": [{"role": "user", "content": "x"}] * 1025}, "messages", ["--max-chat-messages"]),
+        ({"input": [{"role": "user", "content": "x"}] * 1025}, "input", ["--max-chat-messages"]),
         ({"input": 5}, "body.input", []),
     ],
 )
