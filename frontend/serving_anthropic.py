@@ -225,7 +225,7 @@ class MessagesView(BlockStream, GenerationView):
             self._event(
                 "message_delta",
                 delta={"stop_reason": reason, "stop_sequence": sequence},
-                usage={"output_tokens": self.gen.num_generated},
+                usage=self._message([], (None, None))["usage"],  # cumulative, as Anthropic's
             )
         )
         out.append(self._event("message_stop"))
