@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from frontend.chat_deltas import DeltaMessage
+from frontend.chat_output import ChatOutputParser, ParsedMessage
+from frontend.generation import ChoiceDelta
 
 TEXT, REASONING, TOOL = "text", "reasoning", "tool"
 
@@ -30,9 +32,40 @@ class Block:
 
 
 class BlockStream(ABC):
-    def start_blocks(self) -> None:
+    def start_blocks(self, parser: ChatOutputParser | None) -> None:
+        self.parser = parser
+        self.stream_state = parser.stream() if parser is not None else None
         self.open: Block | None = None
         self.closed: list[Block] = []
+
+    def whole_blocks(self, text: str, logprobs: list | None = None) -> list[Block]:
+        """A finished output's blocks: its reasoning, its answer (an empty one when there
+        is nothing else), and its calls."""
+        parsed = self.parser.parse(text) if self.parser else ParsedMessage(content=text)
+        blocks = []
+        if parsed.reasoning:
+            blocks.append(Block(REASONING, text=parsed.reasoning))
+        if parsed.content or not (blocks or parsed.tool_calls):
+            blocks.append(Block(TEXT, text=parsed.content or "", logprobs=logprobs or []))
+        for call in parsed.tool_calls:
+            blocks.append(Block(TOOL, text=call.arguments, call_id=call.id, name=call.name))
+        return blocks
+
+    def pieces(self, d: ChoiceDelta) -> list[DeltaMessage]:
+        """One engine delta through the parsers (the whole text, without them)."""
+        if self.stream_state is None:
+            return [DeltaMessage(content=d.text)] if d.text else []
+        pieces = self.stream_state.feed(d.text)
+        if d.finish_reason:
+            pieces += self.stream_state.finish()
+        return pieces
+
+    def finish_blocks(self) -> list[bytes]:
+        """Close the last block; an output with none gets an empty text block."""
+        out = self.close_block()
+        if not self.closed:
+            out += self.append(TEXT, "") + self.close_block()
+        return out
 
     def feed_pieces(self, pieces: list[DeltaMessage]) -> list[bytes]:
         out: list[bytes] = []

@@ -23,8 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from frontend import sse
 from frontend.anthropic_input import CountTokensRequest, MessagesRequest, chat_request
-from frontend.chat_deltas import DeltaMessage
-from frontend.chat_output import ChatOutputParser, ParsedMessage
+from frontend.chat_output import ChatOutputParser
 from frontend.chat_prompt import render_prompt
 from frontend.chat_tools import chat_tools
 from frontend.errors import APIError
@@ -140,9 +139,7 @@ class MessagesView(BlockStream, GenerationView):
         parser: ChatOutputParser | None,
     ) -> None:
         super().__init__(ctx, body, gen, id_, model)
-        self.parser = parser
-        self.stream_state = parser.stream() if parser is not None else None
-        self.start_blocks()
+        self.start_blocks(parser)
 
     def _message(self, content: list[dict], stop: tuple[str | None, str | None]) -> dict:
         gen = self.gen
@@ -163,17 +160,9 @@ class MessagesView(BlockStream, GenerationView):
         }
 
     def response(self) -> dict:
-        text = self.gen.choices[0].detok.text
-        parsed = self.parser.parse(text) if self.parser else ParsedMessage(content=text)
-        blocks = []
-        if parsed.reasoning:
-            blocks.append(Block(REASONING, text=parsed.reasoning))
-        if parsed.content or not (blocks or parsed.tool_calls):
-            blocks.append(Block(TEXT, text=parsed.content or ""))
-        for call in parsed.tool_calls:
-            blocks.append(Block(TOOL, text=call.arguments, call_id=call.id, name=call.name))
-        content = [_block(b) for b in blocks]
-        return self._message(content, _stop(self.gen, len(parsed.tool_calls)))
+        blocks = self.whole_blocks(self.gen.choices[0].detok.text)
+        calls = sum(1 for b in blocks if b.kind == TOOL)
+        return self._message([_block(b) for b in blocks], _stop(self.gen, calls))
 
     # --- the stream ------------------------------------------------------------------------
 
@@ -203,22 +192,12 @@ class MessagesView(BlockStream, GenerationView):
             if not batch:
                 yield sse.KEEP_ALIVE
                 continue
-            out: list[bytes] = []
-            for d in batch:
-                if self.stream_state is None:
-                    pieces = [DeltaMessage(content=d.text)] if d.text else []
-                else:
-                    pieces = self.stream_state.feed(d.text)
-                    if d.finish_reason:
-                        pieces += self.stream_state.finish()
-                out += self.feed_pieces(pieces)
+            out = [e for d in batch for e in self.feed_pieces(self.pieces(d))]
             if out:
                 yield b"".join(out)
         if not self.gen.choices[0].finished:  # aborted: the client is gone
             return
-        out = self.close_block()
-        if not self.closed:  # nothing was generated: an empty text block still answers
-            out += self.append(TEXT, "") + self.close_block()
+        out = self.finish_blocks()
         calls = sum(1 for b in self.closed if b.kind == TOOL)
         reason, sequence = _stop(self.gen, calls)
         out.append(

@@ -23,8 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from frontend import sse
-from frontend.chat_deltas import DeltaMessage
-from frontend.chat_output import ChatOutputParser, ParsedMessage
+from frontend.chat_output import ChatOutputParser
 from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
 from frontend.logprobs import chat_logprobs
@@ -114,37 +113,28 @@ class ResponsesView(BlockStream, GenerationView):
         parser: ChatOutputParser | None,
     ) -> None:
         super().__init__(ctx, body, gen, id_, model)
-        self.parser = parser
-        self.stream_state = parser.stream() if parser is not None else None
+        self.start_blocks(parser)
         self.logprobs = chat.logprobs
         self.top_n = shown_logprobs(chat.top_logprobs, None, ctx.vocab_size)
         self.as_ids = ctx.tokens_as_ids(chat)
         self.sequence = 0
         self.pending: list[dict] = []  # logprob entries not yet on a text delta
-        self.start_blocks()
 
     # --- the whole response ----------------------------------------------------------------
 
     def response(self) -> dict:
         choice = self.gen.choices[0]
-        text = choice.detok.text
-        parsed = self.parser.parse(text) if self.parser else ParsedMessage(content=text)
         status = "incomplete" if choice.finish_reason == "length" else "completed"
-        blocks = []
-        if parsed.reasoning:
-            blocks.append(Block(REASONING, text=parsed.reasoning))
-        if parsed.content or not (blocks or parsed.tool_calls):
-            logprobs = []
-            if self.logprobs:
-                logprobs = [e for rows in choice.logprob_rows for e in self._logprobs(rows)]
-            blocks.append(Block(TEXT, text=parsed.content or "", logprobs=logprobs))
-        for call in parsed.tool_calls:
-            blocks.append(Block(TOOL, text=call.arguments, call_id=call.id, name=call.name))
+        logprobs = []
+        if self.logprobs:
+            logprobs = [e for rows in choice.logprob_rows for e in self._logprobs(rows)]
+        blocks = self.whole_blocks(choice.detok.text, logprobs)
         output = []
         for block in blocks:
             block.id = _new_id(_ID_PREFIX[block.kind])
             output.append(_item(block, status if block.kind == TEXT else "completed"))
-        return self._envelope(status, output, parsed.reasoning)
+        reasoning = "".join(b.text for b in blocks if b.kind == REASONING)
+        return self._envelope(status, output, reasoning)
 
     def _envelope(self, status: str, output: list[dict], reasoning: str | None = "") -> dict:
         body: ResponsesRequest = self.body
@@ -229,9 +219,7 @@ class ResponsesView(BlockStream, GenerationView):
         choice = self.gen.choices[0]
         if not choice.finished:  # aborted: the stream just ends (the client is gone)
             return
-        out = self._flush_logprobs() + self.close_block()
-        if not self.closed:  # nothing at all was generated: an empty message still answers
-            out += self.append(TEXT, "") + self.close_block()
+        out = self._flush_logprobs() + self.finish_blocks()
         status = "incomplete" if choice.finish_reason == "length" else "completed"
         items = [_item(b, self._status(b)) for b in self.closed]
         reasoning = "".join(b.text for b in self.closed if b.kind == REASONING)
@@ -254,13 +242,7 @@ class ResponsesView(BlockStream, GenerationView):
     def _delta_events(self, d: ChoiceDelta) -> list[bytes]:
         if self.logprobs and d.logprobs is not None:
             self.pending.extend(self._logprobs(d.logprobs))
-        if self.stream_state is None:
-            pieces = [DeltaMessage(content=d.text)] if d.text else []
-        else:
-            pieces = self.stream_state.feed(d.text)
-            if d.finish_reason:
-                pieces += self.stream_state.finish()
-        return self.feed_pieces(pieces)
+        return self.feed_pieces(self.pieces(d))
 
     # BlockStream: what opening, a delta and closing an item send
 

@@ -22,6 +22,14 @@ VOCAB_SIZE = 320
 MAX_MODEL_LEN = 1024
 EOS = 258
 IM_START = 257
+# The tool the tool-calling tests offer, in whichever API's wrapping, and the Hermes
+# call the model is made to write (a regex constraint) when it chooses the tool itself.
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+}
+HERMES = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,5}", "unit": "C"\}\}\n</tool_call>'
 
 
 def sync_client(server: ZServe, api_key: str = "none", **kwargs) -> openai.OpenAI:
@@ -64,6 +72,25 @@ def parse_sse(text: str) -> SSE:
             assert block.startswith("data: "), f"not an SSE data line: {block!r}"
             events.append(orjson.loads(block[len("data: ") :]))
     return SSE(events, comments, done, text)
+
+
+def named_events(http: httpx.Client, path: str, body: dict) -> list[dict]:
+    """The payloads of a stream whose events are named (`event: TYPE` then `data:`, as
+    the Responses and Messages APIs send them), each checked to carry its name as type."""
+    with http.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        text = r.read().decode()
+    payloads = []
+    for block in text.split("\n\n"):
+        if not block or block.startswith(":"):  # the end, or a keep-alive comment
+            continue
+        name, data = block.split("\n", 1)
+        assert name.startswith("event: ") and data.startswith("data: "), block
+        payload = orjson.loads(data[len("data: ") :])
+        assert payload["type"] == name[len("event: ") :], block
+        payloads.append(payload)
+    return payloads
 
 
 def post_stream(http: httpx.Client, path: str, body: dict, **kwargs) -> tuple[httpx.Response, SSE]:

@@ -79,7 +79,9 @@ def test_langchain_structured_output_returns_the_model(chat_model):
     assert isinstance(result, City)
 
 
-def test_openai_agents_chat_completions_model_runs_a_required_tool(tools_server):
+def run_weather_agent(server, model_class, max_turns: int, **agent_kwargs) -> tuple:
+    """The Agents SDK's forecaster on `server` through `model_class`, asked the weather
+    in Oslo: (the run's result, the calls its weather tool got)."""
     agents.set_tracing_disabled(True)  # the SDK would otherwise export traces to OpenAI
     calls: list[dict] = []
 
@@ -91,27 +93,37 @@ def test_openai_agents_chat_completions_model_runs_a_required_tool(tools_server)
 
     async def run() -> object:
         client = AsyncOpenAI(
-            base_url=tools_server.base_url + "/v1", api_key="none", max_retries=0, timeout=120
+            base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=120
         )
         agent = agents.Agent(
             name="forecaster",
             instructions="Answer with the weather tool.",
             tools=[weather],
-            model=agents.OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
-            model_settings=agents.ModelSettings(
-                tool_choice="required",
-                max_tokens=120,
-                extra_body={"seed": 4, "logit_bias": {str(ord("]")): 3}},
-            ),
-            tool_use_behavior="stop_on_first_tool",
+            model=model_class(model=MODEL, openai_client=client),
+            **agent_kwargs,
         )
         try:
-            return await agents.Runner.run(agent, "Weather in Oslo?", max_turns=2)
+            return await agents.Runner.run(agent, "Weather in Oslo?", max_turns=max_turns)
         finally:
             await client.close()
 
     result = asyncio.run(run())
     assert calls and all(c["city"] in CITIES for c in calls), calls
+    return result, calls
+
+
+def test_openai_agents_chat_completions_model_runs_a_required_tool(tools_server):
+    result, calls = run_weather_agent(
+        tools_server,
+        agents.OpenAIChatCompletionsModel,
+        max_turns=2,
+        model_settings=agents.ModelSettings(
+            tool_choice="required",
+            max_tokens=120,
+            extra_body={"seed": 4, "logit_bias": {str(ord("]")): 3}},
+        ),
+        tool_use_behavior="stop_on_first_tool",
+    )
     assert result.final_output == get_weather(**calls[0])
     json.dumps(calls)  # plain JSON values reached the function
 
@@ -120,41 +132,19 @@ def test_openai_agents_responses_model_runs_a_tool_and_answers_with_its_output(t
     """The Agents SDK's default model class speaks /v1/responses. Turn one: a required
     tool call (a function_call item); turn two: the tool's output goes back as a
     function_call_output item and the model answers in text."""
-    agents.set_tracing_disabled(True)
-    calls: list[dict] = []
-
-    @agents.function_tool
-    def weather(city: Literal["Paris", "Rome", "Oslo"], unit: Literal["C", "F"]) -> str:
-        """The weather in a city."""
-        calls.append({"city": city, "unit": unit})
-        return get_weather(city, unit)
-
-    async def run() -> object:
-        client = AsyncOpenAI(
-            base_url=tools_server.base_url + "/v1", api_key="none", max_retries=0, timeout=120
-        )
-        agent = agents.Agent(
-            name="forecaster",
-            instructions="Answer with the weather tool.",
-            tools=[weather],
-            model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
-            # EOS made likely: the call's grammar holds it back until the call is
-            # whole; the answer (turn two) then ends at once, not at max_tokens.
-            model_settings=agents.ModelSettings(
-                tool_choice="required",
-                max_tokens=150,
-                extra_body={"seed": 4, "logit_bias": {str(EOS): 50, str(ord("]")): 3}},
-            ),
-            # after the tool ran, the model answers freely (tool_choice back to auto)
-            reset_tool_choice=True,
-        )
-        try:
-            return await agents.Runner.run(agent, "Weather in Oslo?", max_turns=3)
-        finally:
-            await client.close()
-
-    result = asyncio.run(run())
-    assert calls and all(c["city"] in CITIES for c in calls), calls
+    result, _ = run_weather_agent(
+        tools_server,
+        agents.OpenAIResponsesModel,
+        max_turns=3,
+        # EOS made likely: the call's grammar holds it back until the call is whole;
+        # the answer (turn two) then ends at once, not at max_tokens.
+        model_settings=agents.ModelSettings(
+            tool_choice="required",
+            max_tokens=150,
+            extra_body={"seed": 4, "logit_bias": {str(EOS): 50, str(ord("]")): 3}},
+        ),
+        reset_tool_choice=True,  # after the tool ran, the model answers freely
+    )
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"], kinds
     assert kinds[-1] == "message_output_item" and isinstance(result.final_output, str)

@@ -11,7 +11,7 @@ import json
 import anthropic
 import jsonschema
 import pytest
-from e2e_http import EOS, MODEL
+from e2e_http import EOS, HERMES, MODEL, WEATHER_PARAMETERS, named_events
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -19,13 +19,8 @@ MESSAGES = "/v1/messages"
 WEATHER = {
     "name": "get_weather",
     "description": "The weather in a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["C", "F"]}},
-        "required": ["city", "unit"],
-    },
+    "input_schema": WEATHER_PARAMETERS,
 }
-HERMES = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,5}", "unit": "C"\}\}\n</tool_call>'
 USER = [{"role": "user", "content": "Weather?"}]
 
 
@@ -38,18 +33,7 @@ def claude(tools_server):
 
 
 def events(http, body: dict) -> list[dict]:
-    with http.stream("POST", MESSAGES, json={**body, "stream": True}) as r:
-        assert r.status_code == 200, r.read()
-        text = r.read().decode()
-    out = []
-    for block in text.split("\n\n"):
-        if not block or block.startswith(":"):
-            continue
-        name, data = block.split("\n", 1)
-        payload = json.loads(data[len("data: ") :])
-        assert name == f"event: {payload['type']}", block
-        out.append(payload)
-    return out
+    return named_events(http, MESSAGES, body)
 
 
 def test_text_through_the_sdk(claude):

@@ -10,7 +10,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from e2e_http import MODEL, assert_error
+from e2e_http import HERMES, MODEL, WEATHER_PARAMETERS, assert_error, named_events
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -19,32 +19,15 @@ WEATHER = {
     "type": "function",
     "name": "get_weather",
     "description": "The weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["C", "F"]}},
-        "required": ["city", "unit"],
-    },
+    "parameters": WEATHER_PARAMETERS,
 }
-HERMES = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,5}", "unit": "C"\}\}\n</tool_call>'
 
 
 def events(http, body: dict) -> list[tuple[str, dict]]:
-    """A stream's (event name, payload) pairs, in order."""
-    with http.stream("POST", RESPONSES, json={**body, "stream": True}) as r:
-        assert r.status_code == 200, r.read()
-        assert r.headers["content-type"].startswith("text/event-stream")
-        text = r.read().decode()
-    out = []
-    for block in text.split("\n\n"):
-        if not block or block.startswith(":"):
-            continue
-        name, data = block.split("\n", 1)
-        assert name.startswith("event: ") and data.startswith("data: "), block
-        payload = json.loads(data[len("data: ") :])
-        assert payload["type"] == name[len("event: ") :]
-        out.append((payload["type"], payload))
-    assert [p["sequence_number"] for _, p in out] == list(range(len(out)))
-    return out
+    """A stream's (event type, payload) pairs, numbered in order."""
+    payloads = named_events(http, RESPONSES, body)
+    assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
+    return [(p["type"], p) for p in payloads]
 
 
 def test_text_in_text_out_through_the_sdk(tools_client):

@@ -11,7 +11,7 @@ import json
 
 import jsonschema
 import pytest
-from e2e_http import MODEL, SMALL_KV, assert_error, post_stream
+from e2e_http import HERMES, MODEL, SMALL_KV, WEATHER_PARAMETERS, assert_error, post_stream
 from transformers import PreTrainedTokenizerFast
 from zserve_proc import ZServe
 
@@ -25,14 +25,7 @@ WEATHER = {
     "type": "function",
     "function": {
         "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 6},
-                "unit": {"enum": ["C", "F"]},
-            },
-            "required": ["city", "unit"],
-        },
+        "parameters": WEATHER_PARAMETERS,
     },
 }
 TIME = {
@@ -51,8 +44,6 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 NAMED = {"type": "function", "function": {"name": "get_time"}}
 # A random model closes a `required` list of calls late: make "]" likely once allowed.
 CLOSE_LIST = {str(ord("]")): 3.0}
-# A Hermes call the model is made to write under tool_choice "auto".
-HERMES = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,5}", "unit": "C"\}\}\n</tool_call>'
 
 
 def check_calls(calls: list[dict], at_most: int | None = None) -> None:
