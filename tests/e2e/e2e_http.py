@@ -75,18 +75,25 @@ def parse_sse(text: str) -> SSE:
 
 
 def named_events(http: httpx.Client, path: str, body: dict) -> list[dict]:
-    """The payloads of a stream whose events are named (`event: TYPE` then `data:`, as
-    the Responses and Messages APIs send them), each checked to carry its name as type."""
+    """The payloads of a stream whose events are named, as the Responses and Messages
+    APIs send them (parse_named_sse)."""
     with http.stream("POST", path, json={**body, "stream": True}) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
-        text = r.read().decode()
+        return parse_named_sse(r.read().decode())
+
+
+def parse_named_sse(text: str) -> list[dict]:
+    """Every event must be an `event: TYPE` line, then one `data:` line whose JSON says
+    the same type, then a blank line (or be a comment)."""
+    assert text.endswith("\n\n"), f"stream does not end with a blank line: {text[-80:]!r}"
     payloads = []
-    for block in text.split("\n\n"):
-        if not block or block.startswith(":"):  # the end, or a keep-alive comment
+    for block in text.split("\n\n")[:-1]:
+        if block.startswith(":"):  # a keep-alive comment
             continue
         name, data = block.split("\n", 1)
         assert name.startswith("event: ") and data.startswith("data: "), block
+        assert "\n" not in data, f"an event spans several lines: {block!r}"
         payload = orjson.loads(data[len("data: ") :])
         assert payload["type"] == name[len("event: ") :], block
         payloads.append(payload)
