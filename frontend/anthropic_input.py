@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 
 from frontend.errors import APIError
 from frontend.limits import RequestLimits, check_message_count, check_stop_strings
-from frontend.openai_models import ChatCompletionRequest, SamplingFields
+from frontend.openai_models import ChatCompletionRequest, SamplingFields, check_one_answer
 
 # The request fields of their own; everything else is a chat (sampling) field as is.
 _OWN = {"messages", "system", "max_tokens", "stop_sequences", "tools", "tool_choice", "thinking"}
@@ -37,10 +37,7 @@ class MessagesRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _check_messages(self):
-        if self.n != 1:
-            raise ValueError("n: a message has one answer; send n requests instead")
-        if self.use_beam_search:
-            raise ValueError("use_beam_search: not supported by /v1/messages")
+        check_one_answer(self, "/v1/messages")
         return self
 
 

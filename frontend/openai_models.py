@@ -143,6 +143,14 @@ class SamplingFields(_Model):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+def check_one_answer(body: SamplingFields, route: str) -> None:
+    """The APIs whose reply is one answer (/v1/responses, /v1/messages): no n, no beams."""
+    if body.n != 1:
+        raise ValueError(f"n: {route} gives one answer; send n requests instead")
+    if body.use_beam_search:
+        raise ValueError(f"use_beam_search: not supported by {route}")
+
+
 def check_count_or_all(field: str, value: int) -> None:
     """A logprob count: n >= 0, or -1 for the whole vocabulary (vLLM's wording)."""
     if value < -1:

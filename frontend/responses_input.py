@@ -19,7 +19,7 @@ from pydantic import Field, model_validator
 
 from frontend.errors import APIError
 from frontend.limits import RequestLimits, check_message_count
-from frontend.openai_models import ChatCompletionRequest, SamplingFields
+from frontend.openai_models import ChatCompletionRequest, SamplingFields, check_one_answer
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -45,10 +45,7 @@ class ResponsesRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _check_responses(self):
-        if self.n != 1:
-            raise ValueError("n: a response has one output; send n requests instead")
-        if self.use_beam_search:
-            raise ValueError("use_beam_search: not supported by /v1/responses")
+        check_one_answer(self, "/v1/responses")
         if self.previous_response_id is not None:
             raise ValueError(
                 "previous_response_id: zserve stores no responses; send the conversation "

@@ -21,7 +21,6 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend import sse
 from frontend.anthropic_input import CountTokensRequest, MessagesRequest, chat_request
 from frontend.chat_output import ChatOutputParser
 from frontend.chat_prompt import render_prompt
@@ -182,19 +181,11 @@ class MessagesView(BlockStream, GenerationView):
         return b"event: error\ndata: " + orjson.dumps(body) + b"\n\n"
 
     async def events(self) -> AsyncIterator[bytes]:
-        config = self.ctx.config
         start = self._message([], (None, None))
         start["usage"]["output_tokens"] = 0
         yield self._event("message_start", message=start)
-        async for batch in self.gen.deltas(
-            config.sse_keep_alive_interval or None, config.stream_interval
-        ):
-            if not batch:
-                yield sse.KEEP_ALIVE
-                continue
-            out = [e for d in batch for e in self.feed_pieces(self.pieces(d))]
-            if out:
-                yield b"".join(out)
+        async for chunk in self.delta_bytes(lambda d: self.feed_pieces(self.pieces(d))):
+            yield chunk
         if not self.gen.choices[0].finished:  # aborted: the client is gone
             return
         out = self.finish_blocks()

@@ -22,7 +22,6 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend import sse
 from frontend.chat_output import ChatOutputParser
 from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
@@ -200,22 +199,12 @@ class ResponsesView(BlockStream, GenerationView):
         return self._event("error", code=e.get("code"), message=e["message"], param=e.get("param"))
 
     async def events(self) -> AsyncIterator[bytes]:
-        config = self.ctx.config
         start = self._envelope("in_progress", [])
         yield self._event("response.created", response=start) + self._event(
             "response.in_progress", response=start
         )
-        async for batch in self.gen.deltas(
-            config.sse_keep_alive_interval or None, config.stream_interval
-        ):
-            if not batch:
-                yield sse.KEEP_ALIVE
-                continue
-            out: list[bytes] = []
-            for d in batch:
-                out.extend(self._delta_events(d))
-            if out:
-                yield b"".join(out)
+        async for chunk in self.delta_bytes(self._delta_events):
+            yield chunk
         choice = self.gen.choices[0]
         if not choice.finished:  # aborted: the stream just ends (the client is gone)
             return

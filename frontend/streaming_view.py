@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from frontend import sse
@@ -46,6 +46,22 @@ class GenerationView(ABC):
         """An error after the HTTP 200 (`error`: the error body)."""
         return sse.event(error)
 
+    async def delta_bytes(
+        self, render: Callable[[ChoiceDelta], list[bytes]]
+    ) -> AsyncIterator[bytes]:
+        """Hot path: each batch of the generation's deltas as the events `render` makes
+        of them, joined (one write); a keep-alive comment while nothing comes."""
+        config = self.ctx.config
+        async for batch in self.gen.deltas(
+            config.sse_keep_alive_interval or None, config.stream_interval
+        ):
+            if not batch:
+                yield sse.KEEP_ALIVE
+                continue
+            out = [event for d in batch for event in render(d)]
+            if out:
+                yield b"".join(out)
+
 
 class StreamingView(GenerationView):
     """The chunk SSE loop of completions and chat, and the three things each must say."""
@@ -71,20 +87,13 @@ class StreamingView(GenerationView):
 
     async def events(self) -> AsyncIterator[bytes]:
         """Hot path: one chunk per token (per --stream-interval tokens)."""
-        config = self.ctx.config
-        include_usage, continuous = stream_usage(self.body.stream_options, config)
-        async for batch in self.gen.deltas(
-            config.sse_keep_alive_interval or None, config.stream_interval
-        ):
-            if not batch:
-                yield sse.KEEP_ALIVE
-                continue
-            out = []
-            for d in batch:
-                for choice in self.stream_choices(d):
-                    out.append(sse.event(self.stream_chunk(d, choice, continuous)))
-            if out:
-                yield b"".join(out)
+        include_usage, continuous = stream_usage(self.body.stream_options, self.ctx.config)
+
+        def render(d: ChoiceDelta) -> list[bytes]:
+            return [sse.event(self.stream_chunk(d, c, continuous)) for c in self.stream_choices(d)]
+
+        async for chunk in self.delta_bytes(render):
+            yield chunk
         if include_usage:
             yield sse.event(self.chunk([], self.usage(stream=True)))
 

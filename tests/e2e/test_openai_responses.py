@@ -160,7 +160,7 @@ def test_text_format_json_schema_constrains_the_output(tools_client):
         ({"previous_response_id": "resp_1"}, "previous_response_id", ["stores no responses"]),
         ({"background": True}, "background", ["not supported"]),
         ({"truncation": "auto"}, "truncation", ["never drops input items"]),
-        ({"n": 2}, "n", ["one output"]),
+        ({"n": 2}, "n", ["one answer"]),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type", ["function tools only"]),
         ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice", ["auto"]),
         ({"input": []}, "input", ["at least one item"]),
