@@ -22,6 +22,8 @@ from frontend.limits import RequestLimits, check_message_count
 from frontend.openai_models import ChatCompletionRequest, SamplingFields, check_one_answer
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# OpenAI's limits on `metadata`, which every Response (three times in a stream) echoes.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
 
 class ResponsesRequest(SamplingFields):
@@ -46,6 +48,15 @@ class ResponsesRequest(SamplingFields):
     @model_validator(mode="after")
     def _check_responses(self):
         check_one_answer(self, "/v1/responses")
+        metadata = self.metadata or {}
+        if len(metadata) > MAX_METADATA_PAIRS:
+            raise ValueError(f"metadata: at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}")
+        for key, value in metadata.items():
+            if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(
+                    f"metadata: keys hold at most {MAX_METADATA_KEY_CHARS} characters and "
+                    f"values {MAX_METADATA_VALUE_CHARS}"
+                )
         if self.previous_response_id is not None:
             raise ValueError(
                 "previous_response_id: zserve stores no responses; send the conversation "

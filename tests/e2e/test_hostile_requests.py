@@ -353,6 +353,14 @@ def test_memory_returns_to_its_level_after_the_attacks(server, http, baseline):
         assert http.post("/v1/completions", json=body).status_code == 200
     big = {"prompt": [[1, 2, 3]], "n": 1024, "max_tokens": 8}
     assert http.post("/v1/completions", json=big).status_code == 200
+    # The Responses and Messages APIs: 1024 items or messages filling the body limit.
+    turn = {"role": "user", "content": "a" * (7 * MiB // 1024)}
+    for path, body in (
+        ("/v1/responses", {"input": [turn] * 1024, "max_output_tokens": 1}),
+        ("/v1/messages", {"messages": [turn] * 1024, "max_tokens": 1}),
+    ):
+        assert http.post(path, json=body).status_code == 400  # past the prompt's length
+        assert http.get("/health").status_code == 200
     limit = 50 * 1000 * 1000
 
     def settled() -> bool:

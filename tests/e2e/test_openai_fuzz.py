@@ -18,6 +18,8 @@ ROUTES = [
     "/v1/completions",
     "/v1/chat/completions",
     "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
     "/tokenize",
     "/detokenize",
     "/invocations",
@@ -193,6 +195,10 @@ FIELDS: dict[str, st.SearchStrategy] = {
     "reasoning": JSON,
     "include": st.lists(st.sampled_from(["message.output_text.logprobs", "x"]) | LEAF),
     "previous_response_id": st.text(max_size=8) | LEAF,
+    # /v1/messages
+    "system": st.text(max_size=20) | st.lists(JSON, max_size=2) | LEAF,
+    "stop_sequences": st.lists(st.text(max_size=5), max_size=3) | LEAF,
+    "thinking": JSON,
     "truncation": st.sampled_from(["auto", "disabled", "middle"]) | LEAF,
 }
 # What each route needs to get past the first check, most of the time.
@@ -202,6 +208,8 @@ BASES = {
     "/tokenize": {"prompt": "hi"},
     "/detokenize": {"tokens": [104, 105]},
     "/v1/responses": {"input": "hi", "max_output_tokens": 4},
+    "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
     "/invocations": {"prompt": "hi"},
     "/ping": {},
 }
@@ -227,10 +235,23 @@ def field_bodies(draw) -> tuple[str, dict]:
         body["max_tokens"] = 4  # chat's default is the whole context: too slow here
     if route == "/v1/responses" and "max_output_tokens" not in body:
         body["max_output_tokens"] = 4
+    if route == "/v1/messages" and isinstance(body.get("max_tokens"), int):
+        body["max_tokens"] = min(body["max_tokens"], 8)  # the default is required here
     return route, body
 
 
 # --- the property ------------------------------------------------------------------------
+
+
+def check_error(route: str, r: httpx.Response) -> None:
+    """A 4xx with the error body of its API: Anthropic's shape on /v1/messages."""
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    if route.startswith("/v1/messages"):
+        error = r.json()
+        assert set(error) == {"type", "error"} and error["type"] == "error", error
+        assert error["error"]["type"] and error["error"]["message"], error
+    else:
+        assert_error_body(r.json(), r.status_code)
 
 
 def check(http: httpx.Client, route: str, content: bytes, content_type: str) -> None:
@@ -240,13 +261,13 @@ def check(http: httpx.Client, route: str, content: bytes, content_type: str) -> 
         assert r.status_code == 200
         return
     if r.status_code >= 400:
-        assert r.headers["content-type"].startswith("application/json"), r.headers
-        assert_error_body(r.json(), r.status_code)
+        check_error(route, r)
         return
     assert r.status_code == 200, (route, content[:300], r.status_code, r.text[:300])
-    if r.headers["content-type"].startswith("text/event-stream") and route == "/v1/responses":
+    last_event = {"/v1/responses": "response.completed", "/v1/messages": "message_stop"}
+    if r.headers["content-type"].startswith("text/event-stream") and route in last_event:
         events = parse_named_sse(r.text)  # named events, no [DONE]
-        assert events[-1]["type"] == "response.completed", (content[:300], r.text[-500:])
+        assert events[-1]["type"] == last_event[route], (content[:300], r.text[-500:])
     elif r.headers["content-type"].startswith("text/event-stream"):
         sse = parse_sse(r.text)
         assert sse.done, r.text[-300:]
@@ -278,6 +299,7 @@ def test_any_json_value_gets_an_answer_that_is_not_a_5xx(fuzz_http, route, body)
 @settings(max_examples=1500, **SETTINGS)
 @given(case=field_bodies())
 @example(case=("/v1/responses", {"input": "hi", "max_output_tokens": 4, "stream": True}))
+@example(case=("/v1/messages", {**BASES["/v1/messages"], "stream": True}))
 def test_known_fields_with_any_values_get_an_answer_that_is_not_a_5xx(fuzz_http, case):
     route, body = case
     check(fuzz_http, route, json.dumps(body).encode(), "application/json")
@@ -358,5 +380,4 @@ def test_post_routes_with_any_headers_are_never_a_5xx(fuzz_http, case, headers):
     r = fuzz_http.post(route, content=json.dumps(body).encode(), headers=headers)
     assert r.status_code < 500, (route, headers, body, r.status_code, r.text[:300])
     if r.status_code >= 400:
-        assert r.headers["content-type"].startswith("application/json"), r.headers
-        assert_error_body(r.json(), r.status_code)
+        check_error(route, r)

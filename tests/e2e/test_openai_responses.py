@@ -178,6 +178,8 @@ def test_text_format_json_schema_constrains_the_output(tools_client):
         ({"max_output_tokens": 10**6}, "max_output_tokens", ["max_model_len"]),
         ({"input": [{"role": "user", "content": "x"}] * 1025}, "input", ["--max-chat-messages"]),
         ({"input": 5}, "body.input", []),
+        ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", ["at most 16 pairs"]),
+        ({"metadata": {"k": "v" * 513}}, "metadata", ["values 512"]),
     ],
 )
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(tools_http, fields, param, words):
