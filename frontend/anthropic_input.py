@@ -19,6 +19,7 @@ from pydantic import Field, model_validator
 from frontend.errors import APIError
 from frontend.limits import RequestLimits, check_message_count, check_stop_strings
 from frontend.openai_models import ChatCompletionRequest, SamplingFields, check_one_answer
+from frontend.responses_input import string_field
 
 # The request fields of their own; everything else is a chat (sampling) field as is.
 _OWN = {"messages", "system", "max_tokens", "stop_sequences", "tools", "tool_choice", "thinking"}
@@ -115,11 +116,11 @@ def _message(message: dict, i: int) -> list[dict]:
             text.append(_block_text(block, f"{where}.content", j))
         elif kind == "tool_use" and role == "assistant":
             arguments = json.dumps(block.get("input", {}))
-            calls.append({"id": _string(block, "id", at), "type": "function",
-                          "function": {"name": _string(block, "name", at), "arguments": arguments}})  # fmt: skip
+            calls.append({"id": string_field(block, "id", at), "type": "function",
+                          "function": {"name": string_field(block, "name", at), "arguments": arguments}})  # fmt: skip
         elif kind == "tool_result" and role == "user":
             results.append(
-                {"role": "tool", "tool_call_id": _string(block, "tool_use_id", at),
+                {"role": "tool", "tool_call_id": string_field(block, "tool_use_id", at),
                  "content": _result_text(block.get("content", ""), at)}
             )  # fmt: skip
         elif kind not in ("thinking", "redacted_thinking"):
@@ -144,13 +145,6 @@ def _result_text(content: Any, at: str) -> str:
     raise APIError(f"{at}.content: must be a string or text blocks", param=f"{at}.content")
 
 
-def _string(block: dict, key: str, at: str) -> str:
-    value = block.get(key)
-    if not isinstance(value, str):
-        raise APIError(f"{at}.{key}: must be a string", param=f"{at}.{key}")
-    return value
-
-
 def _tool(tool: dict, i: int) -> dict:
     if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
         kind = tool.get("type") if isinstance(tool, dict) else None
@@ -158,7 +152,7 @@ def _tool(tool: dict, i: int) -> dict:
             f"tools[{i}].type: {kind!r} is not supported; zserve calls client tools only",
             param=f"tools[{i}].type",
         )
-    function = {"name": _string(tool, "name", f"tools[{i}]")}
+    function = {"name": string_field(tool, "name", f"tools[{i}]")}
     if "description" in tool:
         function["description"] = tool["description"]
     function["parameters"] = tool.get("input_schema") or {"type": "object"}

@@ -123,11 +123,11 @@ def _messages(items: list[dict[str, Any]]) -> list[dict]:
             messages.append(_message(item, i))
         elif kind == "function_call":
             call = {
-                "id": _text(item, "call_id", i),
+                "id": string_field(item, "call_id", f"input[{i}]"),
                 "type": "function",
                 "function": {
-                    "name": _text(item, "name", i),
-                    "arguments": _text(item, "arguments", i),
+                    "name": string_field(item, "name", f"input[{i}]"),
+                    "arguments": string_field(item, "arguments", f"input[{i}]"),
                 },
             }
             last = messages[-1] if messages else None
@@ -139,7 +139,7 @@ def _messages(items: list[dict[str, Any]]) -> list[dict]:
             output = item.get("output")
             if not isinstance(output, str):
                 raise APIError(f"input[{i}].output: must be a string", param=f"input[{i}].output")
-            call_id = _text(item, "call_id", i)
+            call_id = string_field(item, "call_id", f"input[{i}]")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind != "reasoning":
             raise APIError(
@@ -179,10 +179,11 @@ def _message(item: dict, i: int) -> dict:
     return {"role": "system" if role == "developer" else role, "content": content}
 
 
-def _text(item: dict, key: str, i: int) -> str:
-    value = item.get(key)
+def string_field(obj: dict, key: str, at: str) -> str:
+    """obj[key], which must be a string (`at`: where obj stands, for the error)."""
+    value = obj.get(key)
     if not isinstance(value, str):
-        raise APIError(f"input[{i}].{key}: must be a string", param=f"input[{i}].{key}")
+        raise APIError(f"{at}.{key}: must be a string", param=f"{at}.{key}")
     return value
 
 
