@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from engine_core.config import ProfilerConfig
 from engine_core.sleep_mode import SleepMode, memory_usage
 from protocol.controls import (
+    ABORT_REQUESTS,
     COLLECTIVE_RPC,
     COLLECTIVE_RPC_METHODS,
     CONFLICT,
@@ -27,6 +28,7 @@ from protocol.controls import (
     HOLD_NEW,
     IS_PAUSED,
     IS_SLEEPING,
+    MAX_ABORT_IDS,
     PAUSE,
     PAUSE_MODES,
     RESET_PREFIX_CACHE,
@@ -117,8 +119,17 @@ class EngineControls:
             reply(self.resume())
         elif method == IS_PAUSED:
             reply(self.engine.scheduler.hold is not None)
+        elif method == ABORT_REQUESTS:
+            reply(self.abort_requests(*args))
         else:
             raise ValueError(f"unknown control {method!r}")
+
+    def abort_requests(self, api_ids: list[str]) -> list[str]:
+        if not isinstance(api_ids, list) or len(api_ids) > MAX_ABORT_IDS:
+            raise ValueError(f"request ids: a list of at most {MAX_ABORT_IDS} is expected")
+        if not all(isinstance(rid, str) for rid in api_ids):
+            raise ValueError("request ids must be strings")
+        return self.proc.abort_api_requests(api_ids)
 
     # --- sleep --------------------------------------------------------------------------
 

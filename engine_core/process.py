@@ -46,6 +46,7 @@ from protocol.messages import (
     SchedulerStats,
     UtilityCall,
     UtilityResult,
+    api_request_id,
     error_output,
 )
 from protocol.process_life import on_signals_in_a_thread
@@ -208,17 +209,9 @@ class EngineCoreProc:
             # If that API server is alive after all (a dropped TCP link), its streams
             # end with an error once the link is back instead of hanging forever.
             gone = [rid for rid, owner in self.owners.items() if owner == payload]
-            engine.abort_requests(gone)
-            for rid in gone:
-                self._forget(rid)
-            if gone:
-                self.queue_outputs_for(
-                    payload,
-                    [
-                        error_output(rid, "the engine lost its link to this API server")
-                        for rid in gone
-                    ],
-                )
+            self.end_requests(
+                gone, FinishReason.ERROR, "the engine lost its link to this API server"
+            )
         else:
             self.call_utility(payload)
 
@@ -249,17 +242,27 @@ class EngineCoreProc:
 
     def end_all_requests(self, message: str) -> int:
         """End every request of this engine with an UNAVAILABLE error (a 503)."""
+        return self.end_requests(list(self.owners), FinishReason.UNAVAILABLE, message)
+
+    def abort_api_requests(self, api_ids: list[str]) -> list[str]:
+        """End the engine requests of these API requests, whichever API server sent
+        them, as aborted; which of the ids this engine had."""
+        wanted = set(api_ids)
+        ids = [rid for rid in self.owners if api_request_id(rid) in wanted]
+        self.end_requests(ids, FinishReason.ABORT, "aborted by POST /inference/v1/abort_requests")
+        return sorted({api_request_id(rid) for rid in ids})
+
+    def end_requests(self, ids: list[str], reason: FinishReason, message: str) -> int:
+        """End these requests, each owner hearing `reason` with `message`."""
         by_client: dict[int, list[str]] = {}
-        for rid, owner in self.owners.items():
-            by_client.setdefault(owner, []).append(rid)
-        ids = list(self.owners)
+        for rid in ids:
+            by_client.setdefault(self.owners[rid], []).append(rid)
         self.engine.abort_requests(ids)
         for rid in ids:
             self._forget(rid)
         for client_index, rids in by_client.items():
             self.queue_outputs_for(
-                client_index,
-                [error_output(rid, message, FinishReason.UNAVAILABLE) for rid in rids],
+                client_index, [error_output(rid, message, reason) for rid in rids]
             )
         return len(ids)
 

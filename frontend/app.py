@@ -23,6 +23,7 @@ from frontend import serving_dev as dev
 from frontend.anthropic_input import CountTokensRequest, MessagesRequest
 from frontend.config import FrontendConfig
 from frontend.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
+from frontend.generate_input import AbortRequests, GenerateRequest
 from frontend.http_limits import BodyLimitMiddleware
 from frontend.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from frontend.middleware import APIKeyMiddleware, RequestIdMiddleware, add_user_middleware
@@ -43,7 +44,19 @@ from frontend.serving import ServingContext
 from frontend.serving_anthropic import count_tokens, create_message
 from frontend.serving_chat import create_batch_chat_completion, create_chat_completion
 from frontend.serving_completions import create_completion
+from frontend.serving_generate import (
+    abort_requests,
+    create_generate,
+    scale_out_enabled,
+    scale_out_off,
+)
 from frontend.serving_lora import load_lora_adapter, runtime_lora_updating, unload_lora_adapter
+from frontend.serving_render import (
+    render_chat_completion,
+    render_completion,
+    render_messages,
+    render_responses,
+)
 from frontend.serving_responses import create_response, stored_response
 from frontend.serving_tokens import detokenize, tokenize, tokenizer_info
 
@@ -156,6 +169,7 @@ class RouteSpec:
     # unless --api-key-open-paths opens it.
     vllm_open: bool = False
     when: Callable[[FrontendConfig], bool] | None = None  # served only if this says so
+    otherwise: Handler | None = None  # what answers when `when` says no (else a 404)
 
 
 ROUTES: tuple[RouteSpec, ...] = (
@@ -172,6 +186,17 @@ ROUTES: tuple[RouteSpec, ...] = (
     RouteSpec("/v1/messages/count_tokens", count_tokens, ("POST",), CountTokensRequest),
     RouteSpec("/v1/responses/{response_id}", stored_response),
     RouteSpec("/v1/responses/{response_id}/cancel", stored_response, ("POST",)),
+    *(
+        RouteSpec(path, handler, ("POST",), body, when=scale_out_enabled, otherwise=scale_out_off)
+        for path, handler, body in (
+            ("/v1/chat/completions/render", render_chat_completion, ChatCompletionRequest),
+            ("/v1/completions/render", render_completion, CompletionRequest),
+            ("/v1/messages/render", render_messages, MessagesRequest),
+            ("/v1/responses/render", render_responses, ResponsesRequest),
+            ("/inference/v1/generate", create_generate, GenerateRequest),
+            ("/inference/v1/abort_requests", abort_requests, AbortRequests),
+        )
+    ),
     RouteSpec(
         "/invocations",
         invocations,
@@ -287,6 +312,11 @@ def build_app(ctx: ServingContext) -> Starlette:
     config = ctx.config
     served = served_routes(config)
     routes = [Route(r.path, _bind(ctx, r.handler), methods=list(r.methods)) for r in served]
+    routes += [
+        Route(r.path, _bind(ctx, r.otherwise), methods=list(r.methods))
+        for r in ROUTES
+        if r.otherwise is not None and r not in served
+    ]
     if not config.disable_fastapi_docs:
         document = orjson.dumps(build_openapi(served, VERSION, config.root_path))
         routes.append(

@@ -12,7 +12,6 @@ first `stop` string.
 from __future__ import annotations
 
 import dataclasses
-import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,6 +29,7 @@ from protocol.messages import (
     Logprobs,
     SamplingParams,
     beam_search_kv_blocks,
+    engine_request_id,
     max_beam_width_message,
     now,
 )
@@ -142,7 +142,7 @@ class BeamGeneration(Generation):
         n = self.params_n
         self.searches = [
             _Search(
-                f"{self.request_id}-{p}-beams-{secrets.token_hex(4)}",
+                engine_request_id(self.request_id, p, "beams"),
                 self.choices[p * n : (p + 1) * n],
             )
             for p in range(len(self.prompts))

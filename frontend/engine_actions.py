@@ -18,6 +18,7 @@ from frontend.engine_client import EngineClient
 from frontend.engine_state import EngineDeadError, EngineState
 from frontend.errors import APIError
 from protocol.controls import (
+    ABORT_REQUESTS,
     COLLECTIVE_RPC,
     COLLECTIVE_RPC_METHODS,
     CONFLICT,
@@ -111,6 +112,14 @@ async def stop_profile(client: EngineClient) -> list[dict]:
     """Stop every engine's profiler; each result names the trace its engine wrote."""
     log.info("stopping the profiler in every engine")
     return _unless_all_refused(client, await broadcast(client, STOP_PROFILE))
+
+
+async def abort_requests(client: EngineClient, api_ids: list[str]) -> list[str]:
+    """End these API requests wherever they run: every engine ends the engine requests
+    of them it has, whichever API server sent them (each owner streams an abort). The
+    ids some engine had, sorted."""
+    results = await broadcast(client, ABORT_REQUESTS, api_ids)
+    return sorted({rid for found in results for rid in found})
 
 
 async def collective_rpc(

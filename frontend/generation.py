@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import secrets
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,6 +23,7 @@ from protocol.messages import (
     FinishReason,
     Logprobs,
     SamplingParams,
+    engine_request_id,
     now,
 )
 
@@ -107,6 +107,7 @@ class Generation:
         self.event = Wakeup()
         self.arrival_time = now()
         self.keep_logprobs = False  # non-streaming responses collect every logprob row
+        self.detokenize = True  # False: token ids only (no text, no stop strings)
         self.trace_headers: dict[str, str] | None = None  # the caller's trace context
         self.done = False  # set once the serving context has recorded it
         self.params_n = n
@@ -123,8 +124,7 @@ class Generation:
                         prompt_index=p,
                         prompt_ids=prompt_ids,
                         params=sample_params,
-                        # Client ids may repeat; the suffix keeps engine ids unique.
-                        engine_request_id=f"{request_id}-{p}-{s}-{secrets.token_hex(4)}",
+                        engine_request_id=engine_request_id(request_id, p, s),
                         detok=IncrementalDetokenizer(
                             tokenizer,
                             prompt_ids,
@@ -282,10 +282,12 @@ class Generation:
             choice.prompt_logprobs = out.prompt_logprobs
         if self.keep_logprobs and out.new_logprobs is not None:
             choice.logprob_rows.append(out.new_logprobs)
-        text_ids = ids
-        if out.finish_reason is FinishReason.STOP and ids and not choice.detok.include_stop:
-            text_ids = ids[:-1]  # as in vLLM: a stop token (EOS or stop_token_ids) is no text
-        stop_string = choice.detok.add(text_ids)
+        stop_string = None
+        if self.detokenize:
+            text_ids = ids
+            if out.finish_reason is FinishReason.STOP and ids and not choice.detok.include_stop:
+                text_ids = ids[:-1]  # as in vLLM: a stop token (EOS, stop_token_ids) is no text
+            stop_string = choice.detok.add(text_ids)
         finish_reason = stop_reason = None
         if stop_string is not None:
             finish_reason, stop_reason = "stop", stop_string

@@ -128,6 +128,28 @@ def chat_logprobs(
     return content
 
 
+def token_id_logprobs(rows: Logprobs, count: int, ranked: bool = True) -> list[dict]:
+    """/inference/v1/generate's entries in tokens mode: token ids, no text. The chosen
+    token with its rank, and `count` top entries, the chosen token first; `ranked`
+    False: the others are logprob_token_ids' listed tokens, whose rank is unknown."""
+    content = []
+    for i, (ids, lps) in enumerate(zip(rows.token_ids, rows.logprobs, strict=True)):
+        rank = rows.ranks[i] or None
+        top: list[dict] = []
+        seen: set[int] = set()
+        for j, (tid, lp) in enumerate(zip(ids, lps, strict=True)):
+            if len(top) >= count:
+                break
+            if tid not in seen:
+                seen.add(tid)
+                top_rank = rank if j == 0 else (j if ranked else None)
+                top.append({"token_id": tid, "logprob": _clamp(lp), "rank": top_rank})
+        content.append(
+            {"token_id": ids[0], "logprob": _clamp(lps[0]), "rank": rank, "top_logprobs": top}
+        )
+    return content
+
+
 def prompt_logprobs(
     renderer: Renderer, prompt_ids: list[int], rows: Logprobs | None, top_n: int
 ) -> list | None:

@@ -61,7 +61,10 @@ def _anthropic_errors(handler):
     return wrapped
 
 
-async def _chat(ctx: ServingContext, request: Request, model: type[MessagesRequest]):
+async def messages_chat(
+    ctx: ServingContext, request: Request, model: type[MessagesRequest] = MessagesRequest
+):
+    """A Messages request read and checked, and the chat request it maps onto."""
     inputs = await read_inputs(ctx, request, model)
     try:
         return inputs, chat_request(inputs.body, ctx.limits)
@@ -71,7 +74,7 @@ async def _chat(ctx: ServingContext, request: Request, model: type[MessagesReque
 
 @_anthropic_errors
 async def create_message(ctx: ServingContext, request: Request) -> Response:
-    inputs, chat = await _chat(ctx, request, MessagesRequest)
+    inputs, chat = await messages_chat(ctx, request, MessagesRequest)
     generation, parser, _ = await submit_chat(
         ctx, dataclasses.replace(inputs, body=chat), "max_tokens"
     )
@@ -84,7 +87,7 @@ async def create_message(ctx: ServingContext, request: Request) -> Response:
 @_anthropic_errors
 async def count_tokens(ctx: ServingContext, request: Request) -> Response:
     """The prompt's length as /v1/messages would render it, tools included."""
-    _, chat = await _chat(ctx, request, CountTokensRequest)
+    _, chat = await messages_chat(ctx, request, CountTokensRequest)
     tools = chat_tools(ctx.chat_parsers, chat)
     _, prompt_ids = await render_prompt(ctx, chat, tools=tools.template_tools)
     return JSONResponse({"input_tokens": len(prompt_ids)})

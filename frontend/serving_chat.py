@@ -4,6 +4,8 @@ structured_outputs.py)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -25,7 +27,7 @@ from frontend.structured_outputs import check_size, request_constraint
 from frontend.tool_parsers.forced import chat_finish_reason
 from frontend.tool_parsers.request import ToolChoice
 from frontend.usage import running_usage, usage
-from protocol.messages import StructuredOutputs
+from protocol.messages import SamplingParams, StructuredOutputs
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
@@ -44,11 +46,22 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     return await respond(ctx, request, view)
 
 
-async def submit_chat(
+@dataclass(frozen=True, slots=True)
+class ChatPlan:
+    """One conversation ready to submit: its prompt and engine parameters, and how its
+    output is read."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    parser: ChatOutputParser | None
+    tool_choice: ToolChoice
+
+
+async def plan_chat(
     ctx: ServingContext, inputs: RequestInputs, max_tokens_field: str | None = None
-) -> tuple[Generation, ChatOutputParser | None, ToolChoice]:
-    """One conversation's prompt, with its tools, reasoning and output constraint,
-    submitted; the parser its output is read through. (/v1/responses too.)"""
+) -> ChatPlan:
+    """One conversation's prompt, with its tools, reasoning and output constraint, and
+    its sampling parameters (/v1/responses, /v1/messages and the render routes too)."""
     body = inputs.body
     if body.use_beam_search:
         check_beam_search(body, completions=False)
@@ -68,9 +81,19 @@ async def submit_chat(
     text, prompt_ids = await render_prompt(ctx, body, tools=tools.template_tools)
     parser = output_parser(parsers, body, tools, text)
     if constraint is not None:
-        end_ids = reasoning_end_ids(parsers, parser, _encode_plain(ctx))
+        end_ids = reasoning_end_ids(parsers, parser, encode_plain(ctx))
         constraint = msgspec.structs.replace(constraint, reasoning_end_ids=end_ids)
-    return _submit(ctx, inputs, [prompt_ids], constraint, max_tokens_field), parser, tools.choice
+    (params,) = _params(ctx, inputs, [prompt_ids], constraint, max_tokens_field)
+    return ChatPlan(prompt_ids, params, parser, tools.choice)
+
+
+async def submit_chat(
+    ctx: ServingContext, inputs: RequestInputs, max_tokens_field: str | None = None
+) -> tuple[Generation, ChatOutputParser | None, ToolChoice]:
+    """One conversation planned and submitted; the parser its output is read through."""
+    plan = await plan_chat(ctx, inputs, max_tokens_field)
+    generation = _submit(ctx, inputs, [plan.prompt_ids], [plan.params])
+    return generation, plan.parser, plan.tool_choice
 
 
 async def create_batch_chat_completion(ctx: ServingContext, request: Request) -> Response:
@@ -93,20 +116,20 @@ async def create_batch_chat_completion(ctx: ServingContext, request: Request) ->
             param="structured_outputs",
         )
     prompts = [(await render_prompt(ctx, body, messages))[1] for messages in body.messages]
-    generation = _submit(ctx, inputs, prompts, None)
+    generation = _submit(ctx, inputs, prompts, _params(ctx, inputs, prompts, None))
     view = ChatView(
         ctx, body, generation, f"chatcmpl-{inputs.request_id}", inputs.model, body.messages
     )
     return await respond(ctx, request, view)
 
 
-def _submit(
+def _params(
     ctx: ServingContext,
     inputs,
     prompts: list[list[int]],
     constraint: StructuredOutputs | None,
     max_tokens_field: str | None = None,
-) -> Generation:
+) -> list[SamplingParams]:
     body: ChatCompletionRequest = inputs.body
     if max_tokens_field is None:
         max_tokens_field = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -123,12 +146,19 @@ def _submit(
         params = [msgspec.structs.replace(p, structured_outputs=constraint) for p in params]
     if body.use_beam_search:
         params = beam_params(ctx, body, params, prompts)
+    return params
+
+
+def _submit(
+    ctx: ServingContext, inputs, prompts: list[list[int]], params: list[SamplingParams]
+) -> Generation:
+    body: ChatCompletionRequest = inputs.body
     generation = ctx.submit(inputs, prompts, params)
     generation.keep_logprobs = not body.stream and body.logprobs
     return generation
 
 
-def _encode_plain(ctx: ServingContext):
+def encode_plain(ctx: ServingContext):
     return lambda text: ctx.renderer.encode(text, add_special_tokens=False)
 
 

@@ -24,6 +24,7 @@ from frontend.serving import ServingContext
 from frontend.streaming_view import StreamingView
 from frontend.structured_outputs import request_constraint
 from frontend.usage import usage
+from protocol.messages import SamplingParams
 
 
 async def tokenize_prompts(ctx: ServingContext, body: CompletionRequest) -> list[list[int]]:
@@ -62,18 +63,13 @@ def prompt_texts(body: CompletionRequest) -> list[str | None]:
     return [p if isinstance(p, str) else None for p in body.prompt]
 
 
-async def create_completion(ctx: ServingContext, request: Request) -> Response:
-    inputs = await read_inputs(ctx, request, CompletionRequest, num_prompts)
-    body = inputs.body
-    if body.use_beam_search:
-        check_beam_search(body, completions=True)
-        inputs = no_step_search(inputs)
-        body = inputs.body
+async def plan_completion(
+    ctx: ServingContext, body: CompletionRequest
+) -> tuple[list[list[int]], list[SamplingParams]]:
+    """The request's prompts as token ids, and each one's engine parameters, its output
+    constraint and beam search included (the render route too)."""
     constraint = request_constraint(body, ctx.config.structured_outputs)
     prompts = await tokenize_prompts(ctx, body)
-    # vLLM's echo with max_tokens 0: just the prompt. The engine still samples one
-    # token (it computes the prompt logprobs on the way); the view drops it.
-    echo_only = body.max_tokens == 0
     params = sampling_params(
         ctx,
         body,
@@ -86,6 +82,20 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         params = beam_params(ctx, body, params, prompts)
     if constraint is not None:
         params = [msgspec.structs.replace(p, structured_outputs=constraint) for p in params]
+    return prompts, params
+
+
+async def create_completion(ctx: ServingContext, request: Request) -> Response:
+    inputs = await read_inputs(ctx, request, CompletionRequest, num_prompts)
+    body = inputs.body
+    if body.use_beam_search:
+        check_beam_search(body, completions=True)
+        inputs = no_step_search(inputs)
+        body = inputs.body
+    # vLLM's echo with max_tokens 0: just the prompt. The engine still samples one
+    # token (it computes the prompt logprobs on the way); the view drops it.
+    echo_only = body.max_tokens == 0
+    prompts, params = await plan_completion(ctx, body)
     generation = ctx.submit(inputs, prompts, params)
     generation.keep_logprobs = not body.stream and body.logprobs is not None
     # Echo shows a text prompt as written, unless it was cut to its last tokens.

@@ -28,7 +28,7 @@ from frontend.generation import ChoiceDelta, Generation
 from frontend.logprobs import chat_logprobs
 from frontend.openai_models import ChatCompletionRequest
 from frontend.output_blocks import REASONING, TEXT, TOOL, Block, BlockStream
-from frontend.request_inputs import read_inputs
+from frontend.request_inputs import RequestInputs, read_inputs
 from frontend.responses import respond
 from frontend.responses_input import ResponsesRequest, chat_request
 from frontend.sampling import shown_logprobs
@@ -38,12 +38,7 @@ from frontend.streaming_view import GenerationView
 
 
 async def create_response(ctx: ServingContext, request: Request) -> Response:
-    inputs = await read_inputs(ctx, request, ResponsesRequest)
-    try:
-        chat = chat_request(inputs.body, ctx.limits)
-    except ValidationError as e:
-        error = e.errors()[0]
-        raise APIError(f"input: {error['msg']}", param="input") from None
+    inputs, chat = await responses_chat(ctx, request)
     generation, parser, _ = await submit_chat(
         ctx, dataclasses.replace(inputs, body=chat), "max_output_tokens"
     )
@@ -51,6 +46,18 @@ async def create_response(ctx: ServingContext, request: Request) -> Response:
         ctx, inputs.body, chat, generation, f"resp_{inputs.request_id}", inputs.model, parser
     )
     return await respond(ctx, request, view)
+
+
+async def responses_chat(
+    ctx: ServingContext, request: Request
+) -> tuple[RequestInputs[ResponsesRequest], ChatCompletionRequest]:
+    """A Responses request read and checked, and the chat request it maps onto."""
+    inputs = await read_inputs(ctx, request, ResponsesRequest)
+    try:
+        return inputs, chat_request(inputs.body, ctx.limits)
+    except ValidationError as e:
+        error = e.errors()[0]
+        raise APIError(f"input: {error['msg']}", param="input") from None
 
 
 async def stored_response(ctx: ServingContext, request: Request) -> Response:

@@ -241,6 +241,7 @@ def frontend_config(
         chat_template=_chat_template(args.chat_template),
         trust_request_chat_template=args.trust_request_chat_template,
         enable_request_id_headers=args.enable_request_id_headers,
+        enable_scale_out=args.enable_scale_out,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         force_include_usage=args.enable_force_include_usage,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,

@@ -197,6 +197,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--enable-request-id-headers", action="store_true", help="echo X-Request-Id on responses"
     )
     g.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="serve vLLM's scale-out routes: /v1/chat/completions/render, "
+        "/v1/completions/render, /v1/messages/render and /v1/responses/render (a request "
+        "as token ids and engine parameters, not run), POST /inference/v1/generate (run "
+        "one) and POST /inference/v1/abort_requests (end requests by id, on any API "
+        "server); without it they answer 403",
+    )
+    g.add_argument(
         "--enable-prompt-tokens-details",
         action="store_true",
         help="report usage.prompt_tokens_details.cached_tokens",

@@ -34,9 +34,13 @@ COLLECTIVE_RPC = "collective_rpc"  # args: [one of COLLECTIVE_RPC_METHODS]
 PAUSE = "pause"  # args: [mode, clear_cache]
 RESUME = "resume"
 IS_PAUSED = "is_paused"
+# args: [API request ids]: end their engine requests, whichever API server sent them;
+# the answer lists the ids the engine had.
+ABORT_REQUESTS = "abort_requests"
+MAX_ABORT_IDS = 1024  # request ids per call
 CONTROL_METHODS = frozenset(
     (SLEEP, WAKE_UP, IS_SLEEPING, RESET_PREFIX_CACHE, START_PROFILE, STOP_PROFILE)
-    + (COLLECTIVE_RPC, PAUSE, RESUME, IS_PAUSED)
+    + (COLLECTIVE_RPC, PAUSE, RESUME, IS_PAUSED, ABORT_REQUESTS)
 )
 
 # What POST /collective_rpc may run on every engine: read-only or harmless methods that

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import re
+import secrets
 import time
 from typing import Any
 
@@ -153,6 +154,18 @@ class SamplingParams(_Wire):
     beam_width: int = 0
     length_penalty: float = 1.0
     early_stopping: EarlyStopping = EarlyStopping.EXACT
+
+
+def engine_request_id(request_id: str, prompt: int, sample: int | str) -> str:
+    """The id of one engine request of API request `request_id` (its prompt's index,
+    and its sample's index or "beams"): client ids may repeat, the random suffix keeps
+    engine ids unique."""
+    return f"{request_id}-{prompt}-{sample}-{secrets.token_hex(4)}"
+
+
+def api_request_id(engine_request_id: str) -> str:
+    """The API request an engine request belongs to (engine_request_id's inverse)."""
+    return engine_request_id.rsplit("-", 3)[0]
 
 
 # LoRA adapters: what a name and a path may be, and how many one server registers.

@@ -10,9 +10,11 @@ from zserve_proc import ZServe
 
 @pytest.fixture(scope="package")
 def default_server(tiny_model):
-    """Default flags, two served names, and the development routes (for /server_info);
-    no test may leave it in a changed state (none puts it to sleep)."""
-    with ZServe(str(tiny_model("llama")), *SERVED_NAMES, *SMALL_KV, "--enable-dev-routes") as s:
+    """Default flags, two served names, the development routes (for /server_info) and
+    the scale-out routes; no test may leave it in a changed state (none puts it to
+    sleep)."""
+    flags = ("--enable-dev-routes", "--enable-scale-out")
+    with ZServe(str(tiny_model("llama")), *SERVED_NAMES, *SMALL_KV, *flags) as s:
         yield s
         log = s.log()
     assert "Traceback" not in log, log[-4000:]

@@ -6,6 +6,8 @@ server agrees on the state; a sleep/wake cycle under load loses no admitted requ
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import threading
 from pathlib import Path
 
@@ -39,6 +41,7 @@ def deployment(tiny_model, tmp_path_factory):
         "--api-server-count", "2",
         "--tokenizer-pool-size", "0",
         "--enable-dev-routes",
+        "--enable-scale-out",  # /inference/v1/abort_requests
         "--api-key", KEY,
         env=env,
         wait_ready=False,
@@ -605,6 +608,62 @@ def test_a_resume_cancels_a_pause_still_waiting_and_bad_pause_parameters_are_400
         assert len(error["message"]) < 200
     assert http.get("/is_paused").json() == {"is_paused": False}
     assert http.get("/health").status_code == 200
+
+
+# --- POST /inference/v1/abort_requests ------------------------------------------------------
+
+
+def test_abort_requests_ends_them_on_every_api_server_and_engine(deployment, http):
+    """Streams on both API servers and both engines, each on its own connection; one
+    abort, on whichever API server its connection lands, ends every one of them
+    (vLLM's abort reaches only the requests of the API server it lands on)."""
+    body = {
+        "token_ids": [1, 72, 80],
+        "sampling_params": {"max_tokens": UNDER_LOAD_TOKENS, "ignore_eos": True},
+        "stream": True,
+    }
+    with contextlib.ExitStack() as open_streams:
+        streams: dict[str, tuple[httpx.Response, object]] = {}
+        placed: set[tuple[str, str]] = set()
+        for i in range(40):
+            if len(placed) == 4:
+                break
+            c = open_streams.enter_context(
+                httpx.Client(base_url=deployment.base_url, headers=AUTH, timeout=60)
+            )
+            headers = {"X-data-parallel-rank": str(i % 2)}
+            r = open_streams.enter_context(
+                c.stream(
+                    "POST",
+                    "/inference/v1/generate",
+                    json={**body, "request_id": f"ab{i}"},
+                    headers=headers,
+                )
+            )
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # running: its first token is out
+            streams[f"generate-tokens-ab{i}"] = (r, lines)
+            placed.add((r.headers["x-api-server"], r.headers["x-engine-rank"]))
+        assert len(placed) == 4, placed
+        assert (
+            http.post("/inference/v1/abort_requests", json={"request_ids": []}).status_code == 200
+        )
+        assert_error(
+            httpx.post(deployment.base_url + "/inference/v1/abort_requests", json={}),
+            401,
+        )
+        asked = [*streams, "never-sent"]
+        r = fresh(http, "POST", "/inference/v1/abort_requests", json={"request_ids": asked})
+        assert r.status_code == 200 and r.json() == {"aborted": sorted(streams, key=asked.index)}
+        for rid, (_, lines) in streams.items():
+            rest = [line for line in lines if line]
+            assert rest[-1] == "data: [DONE]", (rid, rest[-2:])
+            events = [json.loads(line[len("data: ") :]) for line in rest[:-1]]
+            assert events[-1]["choices"][0]["finish_reason"] == "abort", (rid, events[-1])
+            generated = sum(len(c["token_ids"]) for e in events for c in e["choices"])
+            assert generated < UNDER_LOAD_TOKENS
+    wait_for(lambda: sum(s["num_running"] for s in stats(http)) == 0, what="the engines to idle")
+    assert_error(http.post("/inference/v1/abort_requests", json={"request_ids": ["x"] * 1025}), 400)
 
 
 # --- --wait-while-asleep ------------------------------------------------------------------

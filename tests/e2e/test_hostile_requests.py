@@ -37,6 +37,7 @@ def server(tiny_model):
         "--body-read-timeout", "1",
         "--enable-log-requests",  # request lines carry client-chosen ids: the injection test
         "--enable-dev-routes",  # /server_info
+        "--enable-scale-out",  # /render, /inference/v1/generate and its aborts
     ) as s:  # fmt: skip
         yield s
 
@@ -358,9 +359,15 @@ def test_memory_returns_to_its_level_after_the_attacks(server, http, baseline):
     for path, body in (
         ("/v1/responses", {"input": [turn] * 1024, "max_output_tokens": 1}),
         ("/v1/messages", {"messages": [turn] * 1024, "max_tokens": 1}),
+        ("/v1/chat/completions/render", {"messages": [turn] * 1024}),
+        ("/inference/v1/generate", {"token_ids": [1] * (2 * MiB), "sampling_params": {}}),
     ):
         assert http.post(path, json=body).status_code == 400  # past the prompt's length
         assert http.get("/health").status_code == 200
+    # The most ids an abort may name, each as long as an id may be: every engine looks.
+    ids = [f"{i:04}" + "r" * 252 for i in range(1024)]
+    r = http.post("/inference/v1/abort_requests", json={"request_ids": ids})
+    assert r.status_code == 200 and r.json() == {"aborted": []}
     limit = 50 * 1000 * 1000
 
     def settled() -> bool:

@@ -20,6 +20,10 @@ ROUTES = [
     "/v1/responses",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/v1/chat/completions/render",
+    "/v1/completions/render",
+    "/inference/v1/generate",
+    "/inference/v1/abort_requests",
     "/tokenize",
     "/detokenize",
     "/invocations",
@@ -200,7 +204,31 @@ FIELDS: dict[str, st.SearchStrategy] = {
     "stop_sequences": st.lists(st.text(max_size=5), max_size=3) | LEAF,
     "thinking": JSON,
     "truncation": st.sampled_from(["auto", "disabled", "middle"]) | LEAF,
+    # /inference/v1/generate and /inference/v1/abort_requests
+    "token_ids": TOKEN_IDS,
+    "output_mode": st.sampled_from(["tokens", "text", "x"]) | LEAF,
+    "reasoning_ended": LEAF,
+    "request_ids": st.lists(st.text(max_size=12), max_size=4) | JSON,
 }
+# vLLM's SamplingParams fields, as generate's sampling_params carries them.
+SAMPLING_KEYS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output",
+    "ignore_eos", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+    "skip_special_tokens", "logit_bias", "allowed_token_ids", "structured_outputs",
+)  # fmt: skip
+FIELDS["sampling_params"] = (
+    st.fixed_dictionaries(
+        {},
+        optional={
+            **{k: FIELDS[k] for k in SAMPLING_KEYS},
+            "detokenize": st.booleans() | LEAF,
+            "bad_words": st.lists(st.text(max_size=4), max_size=2),
+            "output_kind": LEAF,
+        },
+    )
+    | JSON
+)
 # What each route needs to get past the first check, most of the time.
 BASES = {
     "/v1/completions": {"prompt": "hi"},
@@ -210,6 +238,10 @@ BASES = {
     "/v1/responses": {"input": "hi", "max_output_tokens": 4},
     "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
     "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "hi"}]},
+    "/v1/chat/completions/render": {"messages": [{"role": "user", "content": "hi"}]},
+    "/v1/completions/render": {"prompt": "hi"},
+    "/inference/v1/generate": {"token_ids": [1, 72], "sampling_params": {"max_tokens": 4}},
+    "/inference/v1/abort_requests": {"request_ids": ["nobody"]},
     "/invocations": {"prompt": "hi"},
     "/ping": {},
 }
@@ -237,6 +269,11 @@ def field_bodies(draw) -> tuple[str, dict]:
         body["max_output_tokens"] = 4
     if route == "/v1/messages" and isinstance(body.get("max_tokens"), int):
         body["max_tokens"] = min(body["max_tokens"], 8)  # the default is required here
+    params = body.get("sampling_params")
+    if isinstance(params, dict):  # unset (or null), max_tokens is the rest of the context
+        limit = params.get("max_tokens")
+        if limit is None or (isinstance(limit, int) and limit > 8):
+            params["max_tokens"] = 4
     return route, body
 
 
@@ -272,8 +309,8 @@ def check(http: httpx.Client, route: str, content: bytes, content_type: str) -> 
         sse = parse_sse(r.text)
         assert sse.done, r.text[-300:]
         assert not any("error" in e for e in sse.events), (content[:300], r.text[-500:])
-    else:
-        assert isinstance(r.json(), dict)
+    else:  # a completion's render: one generate request per prompt
+        assert isinstance(r.json(), list if route == "/v1/completions/render" else dict)
 
 
 @pytest.fixture(scope="module")
@@ -300,6 +337,12 @@ def test_any_json_value_gets_an_answer_that_is_not_a_5xx(fuzz_http, route, body)
 @given(case=field_bodies())
 @example(case=("/v1/responses", {"input": "hi", "max_output_tokens": 4, "stream": True}))
 @example(case=("/v1/messages", {**BASES["/v1/messages"], "stream": True}))
+@example(
+    case=(
+        "/inference/v1/generate",
+        {"token_ids": [1, 72], "sampling_params": {"max_tokens": 4, "n": 2}, "stream": True},
+    )
+)
 def test_known_fields_with_any_values_get_an_answer_that_is_not_a_5xx(fuzz_http, case):
     route, body = case
     check(fuzz_http, route, json.dumps(body).encode(), "application/json")

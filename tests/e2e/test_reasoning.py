@@ -27,6 +27,7 @@ def server(tiny_model):
         "deepseek_r1",
         "--structured-outputs-config",
         '{"enable_in_reasoning": true, "disable_any_whitespace": true}',
+        "--enable-scale-out",
     )
     with ZServe(str(tiny_model("llama")), *SERVED_NAMES, *SMALL_KV, *flags) as s:
         yield s
@@ -116,3 +117,17 @@ def test_the_responses_api_gives_a_reasoning_item_then_the_message(client, serve
     assert (thought, answer) == (reasoning, r.output_text)
     final = payloads[-1]["response"]
     assert [item["type"] for item in final["output"]] == ["reasoning", "message"]
+
+
+def test_a_rendered_request_says_where_its_constraint_starts_and_generate_keeps_it(server):
+    """With enable_in_reasoning the constraint covers the reasoning too: the rendered
+    request says the reasoning has ended (constrain from the first token), carries the
+    reasoning parser's template arguments, and generate's text follows the regex."""
+    body = {"model": MODEL, "messages": USER, "max_tokens": 40, "seed": 1, **forced()}
+    with http_client(server) as http:
+        rendered = http.post("/v1/chat/completions/render", json=body).json()
+        assert rendered["reasoning_ended"] is True
+        assert rendered["reasoning_parser_kwargs"] == {"chat_template_kwargs": {}}
+        out = http.post("/inference/v1/generate", json={**rendered, "output_mode": "text"})
+        assert out.status_code == 200, out.text
+        assert re.fullmatch(THINK_THEN_ANSWER, out.json()["choices"][0]["text"])
