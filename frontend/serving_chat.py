@@ -16,11 +16,11 @@ from frontend.chat_prompt import message_dicts, render_prompt
 from frontend.chat_tools import chat_tools, forced_constraint, output_parser, reasoning_end_ids
 from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
-from frontend.logprobs import chat_logprobs, prompt_logprobs
+from frontend.logprobs import chat_logprobs
 from frontend.openai_models import BatchChatCompletionRequest, ChatCompletionRequest, ChatMessage
 from frontend.request_inputs import RequestInputs, read_inputs
 from frontend.responses import respond
-from frontend.sampling import logprob_count, sampling_params, shown_logprobs
+from frontend.sampling import sampling_params, shown_logprobs
 from frontend.serving import ServingContext
 from frontend.streaming_view import StreamingView
 from frontend.structured_outputs import check_size, request_constraint
@@ -368,13 +368,6 @@ class ChatView(StreamingView):
             "choices": choices,
             "usage": self.usage(),
             "system_fingerprint": None,
-            "prompt_logprobs": prompt_logprobs(
-                self.ctx.renderer,
-                first.prompt_ids,
-                first.prompt_logprobs,
-                logprob_count(body.prompt_logprobs, self.ctx.vocab_size),
-            )
-            if body.prompt_logprobs is not None and one_prompt
-            else None,
+            "prompt_logprobs": self.prompt_logprobs(first) if one_prompt else None,
             "prompt_token_ids": first.prompt_ids if body.return_token_ids and one_prompt else None,
         }

@@ -9,13 +9,12 @@ from starlette.responses import Response
 from frontend.beam_search import beam_params, check_beam_search, no_step_search
 from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
-from frontend.logprobs import CompletionLogprobs, prompt_logprobs
+from frontend.logprobs import CompletionLogprobs
 from frontend.openai_models import CompletionRequest
 from frontend.request_inputs import read_inputs
 from frontend.responses import respond
 from frontend.sampling import (
     check_token_ids,
-    logprob_count,
     sampling_params,
     shown_logprobs,
     truncation,
@@ -223,14 +222,7 @@ class CompletionView(StreamingView):
                     "logprobs": lp,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
-                    "prompt_logprobs": prompt_logprobs(
-                        self.ctx.renderer,
-                        c.prompt_ids,
-                        c.prompt_logprobs,
-                        logprob_count(body.prompt_logprobs, self.ctx.vocab_size),
-                    )
-                    if body.prompt_logprobs is not None
-                    else None,
+                    "prompt_logprobs": self.prompt_logprobs(c),
                     "prompt_token_ids": c.prompt_ids if body.return_token_ids else None,
                     "token_ids": (
                         ([] if self.echo_only else c.token_ids) if body.return_token_ids else None

@@ -21,7 +21,7 @@ from frontend.errors import APIError
 from frontend.generate_input import AbortRequests, GenerateBody, in_sampling_params, renamed
 from frontend.generation import ChoiceDelta, Generation
 from frontend.limits import check_request_id
-from frontend.logprobs import chat_logprobs, prompt_logprobs, token_id_logprobs
+from frontend.logprobs import chat_logprobs, token_id_logprobs
 from frontend.reasoning import Mode, reasoning_boundary
 from frontend.request_inputs import parse_body, read_inputs
 from frontend.responses import respond
@@ -203,14 +203,7 @@ class GenerateView(StreamingView):
             "model": self.model,
             "created": self.created,
             "usage": self.usage(),
-            "prompt_logprobs": prompt_logprobs(
-                self.ctx.renderer,
-                first.prompt_ids,
-                first.prompt_logprobs,
-                logprob_count(body.prompt_logprobs, self.ctx.vocab_size),
-            )
-            if body.prompt_logprobs is not None
-            else None,
+            "prompt_logprobs": self.prompt_logprobs(first),
             "prompt_token_id_logprobs": None,
             "prompt_token_ids": first.prompt_ids if body.return_token_ids else None,
             "mm_placeholders": None,

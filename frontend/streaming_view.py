@@ -9,8 +9,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from frontend import sse
-from frontend.generation import ChoiceDelta, Generation
+from frontend.generation import Choice, ChoiceDelta, Generation
+from frontend.logprobs import prompt_logprobs
 from frontend.openai_models import SamplingFields, StreamOptions
+from frontend.sampling import logprob_count
 from frontend.usage import running_usage
 
 if TYPE_CHECKING:
@@ -45,6 +47,18 @@ class GenerationView(ABC):
     def error_event(self, error: dict) -> bytes:
         """An error after the HTTP 200 (`error`: the error body)."""
         return sse.event(error)
+
+    def prompt_logprobs(self, choice: Choice) -> list | None:
+        """A choice's prompt_logprobs in vLLM's shape; None when not asked for."""
+        count = self.body.prompt_logprobs
+        if count is None:
+            return None
+        return prompt_logprobs(
+            self.ctx.renderer,
+            choice.prompt_ids,
+            choice.prompt_logprobs,
+            logprob_count(count, self.ctx.vocab_size),
+        )
 
     async def delta_bytes(
         self, render: Callable[[ChoiceDelta], list[bytes]]

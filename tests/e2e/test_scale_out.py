@@ -129,6 +129,13 @@ def test_text_mode_applies_stop_strings_and_names_tokens(http):
             "output_mode": "text",
         },
     )
+    prompt_logprobs = generate(
+        http, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 1, "prompt_logprobs": 1}}
+    )["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(PROMPT)
+    for token_id, entry in zip(PROMPT[1:], prompt_logprobs[1:], strict=True):
+        assert str(token_id) in entry and 1 <= len(entry) <= 2
+    assert free["prompt_logprobs"] is None
     text = free["choices"][0]["text"]
     stop = text[3:5]
     assert stop and stop not in text[:3]
