@@ -22,6 +22,7 @@ from starlette.routing import Route
 from frontend import serving_dev as dev
 from frontend.anthropic_input import CountTokensRequest, MessagesRequest
 from frontend.config import FrontendConfig
+from frontend.derender_input import DerenderChatRequest, DerenderCompletionRequest
 from frontend.errors import APIError, handle_api_error, handle_http_exception, handle_unexpected
 from frontend.generate_input import AbortRequests, GenerateRequest
 from frontend.http_limits import BodyLimitMiddleware
@@ -52,6 +53,8 @@ from frontend.serving_generate import (
 )
 from frontend.serving_lora import load_lora_adapter, runtime_lora_updating, unload_lora_adapter
 from frontend.serving_render import (
+    derender_chat_completion,
+    derender_completion,
     render_chat_completion,
     render_completion,
     render_messages,
@@ -193,6 +196,8 @@ ROUTES: tuple[RouteSpec, ...] = (
             ("/v1/completions/render", render_completion, CompletionRequest),
             ("/v1/messages/render", render_messages, MessagesRequest),
             ("/v1/responses/render", render_responses, ResponsesRequest),
+            ("/v1/chat/completions/derender", derender_chat_completion, DerenderChatRequest),
+            ("/v1/completions/derender", derender_completion, DerenderCompletionRequest),
             ("/inference/v1/generate", create_generate, GenerateRequest),
             ("/inference/v1/abort_requests", abort_requests, AbortRequests),
         )

@@ -1,5 +1,5 @@
-"""The /render routes (--enable-scale-out): a chat, completion, Messages or Responses
-request rendered, not run. The answer is the generate request (generate_input.py)
+"""The /render and /derender routes (--enable-scale-out). Render: a chat, completion,
+Messages or Responses request rendered, not run. The answer is the generate request (generate_input.py)
 that POST /inference/v1/generate runs as the route itself would have: the prompt as
 token ids after the chat template, and the engine parameters after every check and
 default, output constraints (forced tool calls included) and where they start.
@@ -7,25 +7,48 @@ default, output constraints (forced tool calls included) and where they start.
 Nothing is submitted, so no engine is asked; the API server's checks and limits are
 the routes' own. What a token-only request cannot carry is refused: beam search,
 completions' echo (the prompt text) and a max_tokens of 0.
+
+Derender: a generate response in tokens mode (with the request it was rendered from,
+and the prompt's ids) becomes the chat or completion response that route answers,
+through the route's own view: the text decoded as the route decodes it (stop strings
+cut, EOS dropped), reasoning and tool calls parsed, logprobs named. Only whole
+responses: vLLM's chunk-by-chunk derendering with client-carried state is refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeVar
 
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from frontend.chat_tools import reasoning_end_ids
+from frontend.chat_tools import chat_tools, output_parser, reasoning_end_ids
+from frontend.derender_input import (
+    DerenderChatRequest,
+    DerenderCompletionRequest,
+    check_bounds,
+    finished_generation,
+)
 from frontend.errors import APIError
 from frontend.generate_input import generate_request
 from frontend.openai_models import ChatCompletionRequest, CompletionRequest
-from frontend.request_inputs import RequestInputs, read_inputs
+from frontend.request_inputs import (
+    RequestInputs,
+    json_body,
+    parse_body,
+    read_inputs,
+    validation_error,
+)
+from frontend.responses import json_response
 from frontend.serving import ServingContext
 from frontend.serving_anthropic import messages_chat
-from frontend.serving_chat import encode_plain, plan_chat
-from frontend.serving_completions import num_prompts, plan_completion
+from frontend.serving_chat import ChatView, encode_plain, plan_chat
+from frontend.serving_completions import CompletionView, num_prompts, plan_completion
 from frontend.serving_responses import responses_chat
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def _renderable(body) -> None:
@@ -108,3 +131,128 @@ async def render_completion(ctx: ServingContext, request: Request) -> Response:
             for i, (prompt, prompt_params) in enumerate(zip(prompts, params, strict=True))
         ]
     )
+
+
+# --- derender ----------------------------------------------------------------------------
+
+
+async def _derender_body(ctx: ServingContext, request: Request, model: type[M]) -> M:
+    data = await json_body(ctx, request)
+    if data.get("stream") is True:
+        raise APIError(
+            "stream: derendering one generate chunk per call (with client-carried state) "
+            "is not supported; derender the whole generate response",
+            param="stream",
+        )
+    return await parse_body(ctx, request, model)
+
+
+def _original(model: type[M], data: dict | None, field: str, default: dict) -> M:
+    """The request a render came from, checked as its route checks it."""
+    try:
+        return model.model_validate(data if data is not None else default)
+    except ValidationError as e:
+        error = validation_error(e)
+        param = (error.param or "").removeprefix("body.")
+        raise APIError(f"{field}.{error.message}", param=f"{field}.{param}".rstrip(".")) from None
+
+
+def _check(ctx: ServingContext, responses, prompt_ids) -> None:
+    check_bounds(
+        responses,
+        prompt_ids,
+        ctx.limits,
+        ctx.vocab_size,
+        ctx.max_model_len,
+        ctx.config.max_logprobs,
+    )
+
+
+def _prompt_tokens(given: int | None, ids: list[int] | None, response) -> int:
+    """The prompt's length: as given, else the ids' count, else the generate usage's."""
+    if given is not None:
+        return given
+    if ids is not None:
+        return len(ids)
+    return int((response.usage or {}).get("prompt_tokens") or 0)
+
+
+async def derender_chat_completion(ctx: ServingContext, request: Request) -> Response:
+    body = await _derender_body(ctx, request, DerenderChatRequest)
+    served, _ = await ctx.resolve_target(body.model)
+    response = body.generate_response
+    _check(ctx, [response], [body.prompt_token_ids])
+    parsers = ctx.chat_parsers
+    if body.chat_request is None and (
+        parsers.reasoning_parser is not None or parsers.tool_parser is not None
+    ):
+        raise APIError(
+            "chat_request: required on a server with a tool or reasoning parser (plain "
+            "decoding would leave their markup in the content)",
+            param="chat_request",
+        )
+    chat = _original(ChatCompletionRequest, body.chat_request, "chat_request", _NO_CHAT)
+    if body.chat_request is None:
+        _show_logprobs_given(chat, response)
+    tools = chat_tools(parsers, chat)
+    prompt_ids = body.prompt_token_ids or response.prompt_token_ids
+    prompt = ctx.renderer.decode(prompt_ids, skip_special_tokens=False) if prompt_ids else ""
+    parser = output_parser(parsers, chat, tools, prompt)  # may keep special tokens
+    gen = await finished_generation(
+        [response],
+        [prompt_ids],
+        _prompt_tokens(body.prompt_tokens, prompt_ids, response),
+        chat,
+        ctx.renderer.raw,
+        chat.skip_special_tokens,
+    )
+    view = ChatView(
+        ctx, chat, gen, response.request_id, served, [chat.messages], parser, tools.choice
+    )
+    result = view.response()
+    result["prompt_logprobs"] = response.prompt_logprobs
+    return json_response(result)
+
+
+_NO_CHAT = {"messages": [{"role": "user", "content": ""}]}
+
+
+def _show_logprobs_given(chat: ChatCompletionRequest, response) -> None:
+    """Without the original request: logprobs as many as the response holds."""
+    entries = [
+        e for c in response.choices if c.logprobs is not None for e in c.logprobs.content or []
+    ]
+    if entries:
+        chat.logprobs = True
+        chat.top_logprobs = len(entries[0].top_logprobs)
+
+
+async def derender_completion(ctx: ServingContext, request: Request) -> Response:
+    body = await _derender_body(ctx, request, DerenderCompletionRequest)
+    served, _ = await ctx.resolve_target(body.model)
+    responses = body.generate_responses
+    prompt_ids = body.prompt_token_ids or [None] * len(responses)
+    _check(ctx, responses, prompt_ids)
+    original = _original(
+        CompletionRequest, body.completion_request, "completion_request", {"prompt": [1]}
+    )
+    if body.completion_request is None:
+        entries = [
+            e for r in responses for c in r.choices if c.logprobs for e in c.logprobs.content or []
+        ]
+        original.logprobs = max(len(entries[0].top_logprobs) - 1, 0) if entries else None
+    counts = body.prompt_tokens or [None] * len(responses)
+    prompt_tokens = sum(
+        _prompt_tokens(count, ids if ids is not None else r.prompt_token_ids, r)
+        for count, ids, r in zip(counts, prompt_ids, responses, strict=True)
+    )
+    gen = await finished_generation(
+        responses,
+        prompt_ids,
+        prompt_tokens,
+        original,
+        ctx.renderer.raw,
+        original.skip_special_tokens,
+    )
+    view = CompletionView(ctx, original, gen, responses[0].request_id, served, False, None)
+    return json_response(view.response())

@@ -202,8 +202,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="serve vLLM's scale-out routes: /v1/chat/completions/render, "
         "/v1/completions/render, /v1/messages/render and /v1/responses/render (a request "
         "as token ids and engine parameters, not run), POST /inference/v1/generate (run "
-        "one) and POST /inference/v1/abort_requests (end requests by id, on any API "
-        "server); without it they answer 403",
+        "one), /v1/chat/completions/derender and /v1/completions/derender (its answer "
+        "as the route's response) and POST /inference/v1/abort_requests (end requests "
+        "by id, on any API server); without it they answer 403",
     )
     g.add_argument(
         "--enable-prompt-tokens-details",

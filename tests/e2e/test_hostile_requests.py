@@ -364,6 +364,11 @@ def test_memory_returns_to_its_level_after_the_attacks(server, http, baseline):
     ):
         assert http.post(path, json=body).status_code == 400  # past the prompt's length
         assert http.get("/health").status_code == 200
+    # The most a derender may hold: 1024 choices of 1000 tokens, decoded in slices.
+    choices = [{"index": i, "token_ids": [72] * 1000} for i in range(1024)]
+    body = {"generate_response": {"request_id": "g", "choices": choices}}
+    assert http.post("/v1/chat/completions/derender", json=body).status_code == 200
+    assert http.get("/health").status_code == 200
     # The most ids an abort may name, each as long as an id may be: every engine looks.
     ids = [f"{i:04}" + "r" * 252 for i in range(1024)]
     r = http.post("/inference/v1/abort_requests", json={"request_ids": ids})

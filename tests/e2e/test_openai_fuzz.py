@@ -24,6 +24,8 @@ ROUTES = [
     "/v1/completions/render",
     "/inference/v1/generate",
     "/inference/v1/abort_requests",
+    "/v1/chat/completions/derender",
+    "/v1/completions/derender",
     "/tokenize",
     "/detokenize",
     "/invocations",
@@ -210,6 +212,27 @@ FIELDS: dict[str, st.SearchStrategy] = {
     "reasoning_ended": LEAF,
     "request_ids": st.lists(st.text(max_size=12), max_size=4) | JSON,
 }
+# A generate response to derender (tokens mode), often well formed.
+GENERATED_CHOICE = st.fixed_dictionaries(
+    {"index": SMALL, "token_ids": TOKEN_IDS},
+    optional={
+        "finish_reason": st.sampled_from(["stop", "length", "abort"]) | LEAF,
+        "stop_reason": LEAF,
+        "logprobs": JSON,
+    },
+)
+GENERATED = st.fixed_dictionaries(
+    {"request_id": st.text(max_size=8), "choices": st.lists(GENERATED_CHOICE, max_size=3)},
+    optional={"prompt_token_ids": TOKEN_IDS, "output_mode": LEAF, "usage": JSON},
+)
+FIELDS |= {
+    "generate_response": GENERATED | JSON,
+    "generate_responses": st.lists(GENERATED, max_size=3) | JSON,
+    "prompt_token_ids": TOKEN_IDS | LEAF,
+    "prompt_tokens": SMALL | JSON,
+    "chat_request": st.fixed_dictionaries({"messages": st.lists(MESSAGE, max_size=2)}) | JSON,
+    "completion_request": st.fixed_dictionaries({"prompt": FIELDS["prompt"]}) | JSON,
+}
 # vLLM's SamplingParams fields, as generate's sampling_params carries them.
 SAMPLING_KEYS = (
     "n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -242,6 +265,12 @@ BASES = {
     "/v1/completions/render": {"prompt": "hi"},
     "/inference/v1/generate": {"token_ids": [1, 72], "sampling_params": {"max_tokens": 4}},
     "/inference/v1/abort_requests": {"request_ids": ["nobody"]},
+    "/v1/chat/completions/derender": {
+        "generate_response": {"request_id": "g", "choices": [{"index": 0, "token_ids": [72]}]}
+    },
+    "/v1/completions/derender": {
+        "generate_responses": [{"request_id": "g", "choices": [{"index": 0, "token_ids": [72]}]}]
+    },
     "/invocations": {"prompt": "hi"},
     "/ping": {},
 }

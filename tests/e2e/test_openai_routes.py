@@ -253,8 +253,10 @@ def test_openapi_document_is_generated_from_the_request_models(http):
     for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest):
         assert set(schemas[model.__name__]["properties"]) == set(model.model_fields), model
     # One route table: every route the server answers is documented, nothing else is
-    # (the default server has the development routes, not the profiler's).
-    served = served_routes(FrontendConfig("", "", [], enable_dev_routes=True))
+    # (the default server has the development and scale-out routes, not the profiler's).
+    served = served_routes(
+        FrontendConfig("", "", [], enable_dev_routes=True, enable_scale_out=True)
+    )
     assert {"/server_info", "/sleep"} <= set(doc["paths"])
     assert set(doc["paths"]) == {route.path for route in served}
     for route in served:

@@ -131,3 +131,19 @@ def test_a_rendered_request_says_where_its_constraint_starts_and_generate_keeps_
         out = http.post("/inference/v1/generate", json={**rendered, "output_mode": "text"})
         assert out.status_code == 200, out.text
         assert re.fullmatch(THINK_THEN_ANSWER, out.json()["choices"][0]["text"])
+
+
+def test_derender_splits_reasoning_as_chat_does_and_needs_the_chat_request(server):
+    body = {"model": MODEL, "messages": USER, "max_tokens": 40, "seed": 2, **forced()}
+    with http_client(server) as http:
+        direct = http.post(CHAT, json=body).json()["choices"][0]["message"]
+        rendered = http.post("/v1/chat/completions/render", json=body).json()
+        generated = http.post("/inference/v1/generate", json=rendered).json()
+        derender = "/v1/chat/completions/derender"
+        request = {"generate_response": generated, "prompt_token_ids": rendered["token_ids"]}
+        r = http.post(derender, json={**request, "chat_request": body})
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]
+        assert message == direct and message["reasoning"] and message["content"]
+        r = http.post(derender, json=request)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_request"

@@ -204,3 +204,110 @@ def test_a_server_without_the_flag_answers_403(tools_http):
     for path in (GENERATE, "/v1/chat/completions/render", "/inference/v1/abort_requests"):
         error = assert_error(tools_http.post(path, json={}), 403, None, ["--enable-scale-out"])
         assert error["type"] == "PermissionDeniedError"
+
+
+# --- derender: a generate response back into the route's response ----------------------
+
+
+def test_render_generate_derender_answers_what_the_chat_route_answers(http):
+    body = {**CHAT, "max_tokens": 8, "temperature": 1.0, "seed": 3, "logprobs": True}
+    body["top_logprobs"] = 2
+    direct = http.post("/v1/chat/completions", json=body).json()
+    rendered = render(http, "/v1/chat/completions/render", body)
+    generated = generate(http, rendered)
+    derendered = render(
+        http,
+        "/v1/chat/completions/derender",
+        {
+            "generate_response": generated,
+            "prompt_token_ids": rendered["token_ids"],
+            "chat_request": body,
+        },
+    )
+    assert derendered["id"] == generated["request_id"]
+    assert derendered["object"] == "chat.completion" and derendered["model"] == MODEL
+    assert derendered["usage"] == direct["usage"]
+    ours, theirs = derendered["choices"][0], direct["choices"][0]
+    assert ours["message"] == theirs["message"]
+    assert ours["finish_reason"] == theirs["finish_reason"]
+    got, want = ours["logprobs"]["content"], theirs["logprobs"]["content"]
+    assert [e["token"] for e in got] == [e["token"] for e in want]
+    assert [len(e["top_logprobs"]) for e in got] == [2] * len(want)
+    assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in want], abs=1e-3)
+
+
+def test_derender_cuts_at_the_stop_string_as_the_route_does(http):
+    free = http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 12, "temperature": 0})
+    text = free.json()["choices"][0]["message"]["content"]
+    stop = text[4:6]
+    assert stop and stop not in text[:4]
+    body = {**CHAT, "max_tokens": 12, "temperature": 0, "stop": [stop]}
+    direct = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    rendered = render(http, "/v1/chat/completions/render", body)
+    generated = generate(http, rendered)
+    request = {"generate_response": generated, "chat_request": body}
+    ours = render(http, "/v1/chat/completions/derender", request)["choices"][0]
+    assert ours["message"]["content"] == direct["message"]["content"] == text[: text.index(stop)]
+    assert ours["stop_reason"] == direct["stop_reason"] == stop
+    kept = render(
+        http,
+        "/v1/chat/completions/derender",
+        {**request, "chat_request": {**body, "include_stop_str_in_output": True}},
+    )
+    assert kept["choices"][0]["message"]["content"].endswith(stop)
+
+
+def test_render_generate_derender_answers_what_the_completion_route_answers(http):
+    body = {"model": MODEL, "prompt": ["hello", "world"], "max_tokens": 6, "logprobs": 1}
+    body |= {"temperature": 0}
+    direct = http.post("/v1/completions", json=body).json()
+    responses = [generate(http, r) for r in render(http, "/v1/completions/render", body)]
+    derendered = render(
+        http,
+        "/v1/completions/derender",
+        {"generate_responses": responses, "completion_request": body},
+    )
+    assert derendered["object"] == "text_completion"
+    assert derendered["usage"] == direct["usage"]
+    for ours, theirs in zip(derendered["choices"], direct["choices"], strict=True):
+        assert ours["text"] == theirs["text"] and ours["index"] == theirs["index"]
+        assert ours["logprobs"]["tokens"] == theirs["logprobs"]["tokens"]
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions/derender", {"stream": True, "generate_chunk": {}}, "stream"),
+        ("/v1/chat/completions/derender", {}, "body.generate_response"),
+        (
+            "/v1/chat/completions/derender",
+            {"generate_response": {"request_id": "g", "choices": [{"index": 0, "token_ids": [1, 99999]}]}},
+            "token_ids",
+        ),
+        (
+            "/v1/chat/completions/derender",
+            {"generate_response": {"request_id": "g", "choices": [{"index": 0, "token_ids": [1] * 1025}]}},
+            "token_ids",
+        ),
+        (
+            "/v1/chat/completions/derender",
+            {
+                "generate_response": {"request_id": "g", "choices": [{"index": 0, "token_ids": [1]}]},
+                "chat_request": {"messages": []},
+            },
+            "chat_request.messages",
+        ),
+        (
+            "/v1/completions/derender",
+            {
+                "generate_responses": [
+                    {"request_id": "g", "choices": [{"index": i, "token_ids": [1]} for i in range(1025)]}
+                ]
+            },
+            "choices",
+        ),
+        ("/v1/completions/derender", {"generate_responses": []}, "body.generate_responses"),
+    ],
+)  # fmt: skip
+def test_derender_refuses_by_field(http, path, body, param):
+    assert_error(http.post(path, json=body), 400, param)
