@@ -50,6 +50,7 @@ from frontend.serving_generate import (
     create_generate,
     scale_out_enabled,
     scale_out_off,
+    tokens_only,
 )
 from frontend.serving_lora import load_lora_adapter, runtime_lora_updating, unload_lora_adapter
 from frontend.serving_render import (
@@ -202,6 +203,8 @@ ROUTES: tuple[RouteSpec, ...] = (
             ("/inference/v1/abort_requests", abort_requests, AbortRequests),
         )
     ),
+    # vLLM's older path of the abort, on its --tokens-only servers.
+    RouteSpec("/abort_requests", abort_requests, ("POST",), AbortRequests, when=tokens_only),
     RouteSpec(
         "/invocations",
         invocations,

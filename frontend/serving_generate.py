@@ -44,6 +44,10 @@ def scale_out_enabled(config) -> bool:
     return config.enable_scale_out
 
 
+def tokens_only(config) -> bool:
+    return config.tokens_only
+
+
 async def scale_out_off(ctx: ServingContext, request: Request) -> Response:
     raise APIError(SCALE_OUT_OFF, 403, type_="PermissionDeniedError")
 
@@ -52,6 +56,8 @@ async def create_generate(ctx: ServingContext, request: Request) -> Response:
     try:
         inputs = await read_inputs(ctx, request, GenerateBody)
         body: GenerateBody = inputs.body
+        if ctx.config.tokens_only:
+            _decodes_nothing(body)
         prompt = body.token_ids
         check_token_ids(prompt, ctx.vocab_size, "token_ids")
         constraint = request_constraint(body, ctx.config.structured_outputs)
@@ -76,6 +82,22 @@ async def create_generate(ctx: ServingContext, request: Request) -> Response:
         return await respond(ctx, request, view)
     except APIError as e:  # the engine's refusal (a constraint that does not compile)
         raise in_sampling_params(e) from None
+
+
+def _decodes_nothing(body: GenerateBody) -> None:
+    """--tokens-only: what needs the output's text is refused (vLLM's rule)."""
+    if body.stop_strings:
+        raise APIError(
+            "stop strings are not supported on a --tokens-only server, which decodes no "
+            "text; check them where the text is decoded, or use stop_token_ids",
+            param="stop",
+        )
+    if body.output_mode != "tokens":
+        raise APIError(
+            f"output_mode={body.output_mode!r} needs the text, which a --tokens-only server "
+            f"does not decode; use output_mode 'tokens'",
+            param="output_mode",
+        )
 
 
 def _gate(ctx: ServingContext, body: GenerateBody, spec: StructuredOutputs) -> StructuredOutputs:

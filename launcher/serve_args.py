@@ -207,6 +207,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "by id, on any API server); without it they answer 403",
     )
     g.add_argument(
+        "--tokens-only",
+        action="store_true",
+        help="a generate server of vLLM's disaggregated setups: --enable-scale-out, and "
+        "POST /abort_requests too; /inference/v1/generate decodes no text, so it refuses "
+        "stop strings and output_mode text (stop at stop_token_ids; derender elsewhere)",
+    )
+    g.add_argument(
         "--enable-prompt-tokens-details",
         action="store_true",
         help="report usage.prompt_tokens_details.cached_tokens",

@@ -84,6 +84,7 @@ def server(flags_model, tmp_path_factory, collector):
         "--disable-log-requests",
         "--disable-log-stats",
         "--enable-dev-routes",
+        "--tokens-only",
         env={"OTEL_BSP_SCHEDULE_DELAY": "100"},  # spans leave within 0.1 s
     ) as s:  # fmt: skip
         s.started_at = time.monotonic()
@@ -119,6 +120,8 @@ GUARDED = [
     ("GET", "/tokenizer_info", None),
     ("GET", "/openapi.json", None),
     ("GET", "/server_info", None),
+    ("POST", "/inference/v1/generate", {"token_ids": [1], "sampling_params": {}}),
+    ("POST", "/abort_requests", {"request_ids": []}),
 ]
 OPEN = [
     ("GET", "/health"),
@@ -512,3 +515,20 @@ def test_disabled_request_and_stats_logs_stay_quiet(server, http):
     assert "zserve.stats" not in log
     assert not re.search(r"zserve\.api: request \S+: \d+ choice", log)
     assert "Traceback" not in log
+
+
+# --- --tokens-only ------------------------------------------------------------------------
+
+
+def test_tokens_only_generates_ids_and_refuses_what_needs_the_text(http):
+    body = {"token_ids": [1, 72, 80], "sampling_params": {"max_tokens": 3, "ignore_eos": True}}
+    r = http.post("/inference/v1/generate", json=body)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
+    for extra, param in (
+        ({"sampling_params": {"stop": ["a"]}}, "sampling_params.stop"),
+        ({"output_mode": "text"}, "output_mode"),
+    ):
+        error = assert_error(http.post("/inference/v1/generate", json={**body, **extra}), 400)
+        assert error["param"] == param and "--tokens-only" in error["message"]
+    r = http.post("/abort_requests", json={"request_ids": ["nobody"]})
+    assert r.status_code == 200 and r.json() == {"aborted": []}
