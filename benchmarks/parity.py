@@ -12,6 +12,7 @@ same flags; each profile names the flags its cases need:
              --api-key KEY   (pass --api-key KEY here too; zserve's key also guards
              /tokenize, /detokenize, /invocations and /load unless it is given
              --api-key-open-paths vllm: a deliberate difference)
+    scale-out: --enable-scale-out   (render, generate, derender)
 
     zserve bench parity --base-url-a http://127.0.0.1:8000 --base-url-b http://127.0.0.1:8001
     python -m benchmarks.parity --profile flags --api-key KEY --base-url-a … --base-url-b …
@@ -56,7 +57,7 @@ def ask(client: httpx.Client, case: Case, model: str, api_key: str | None) -> An
     if api_key and case.auth:
         headers["Authorization"] = f"Bearer {api_key}"
     body = case.body
-    generation = ("completions", "batch", "responses", "messages", "count_tokens")
+    generation = ("completions", "batch", "responses", "messages", "count_tokens", "render")
     if body is not None and case.path.endswith(generation) and "model" not in body:
         body = {"model": model, **body}
     r = client.request(case.method, case.path, json=body, headers=headers)

@@ -290,4 +290,39 @@ FLAGS: list[Case] = [
     Case("20", "/metrics without the key", "GET", "/metrics", auth=False),
 ]  # fmt: skip
 
-PROFILES = {"default": DEFAULT, "flags": FLAGS}
+GENERATE = "/inference/v1/generate"
+GREEDY_IDS = {"token_ids": [1, 283, 80], "sampling_params": {"max_tokens": 3, "temperature": 0}}
+GENERATED = {"request_id": "g", "choices": [{"index": 0, "token_ids": [283, 80, 323]}]}
+
+SCALE_OUT: list[Case] = [
+    Case("-", "render chat: the prompt's ids and max_tokens", "POST", CHAT + "/render",
+         {"messages": USER, "max_tokens": 5},
+         probe=lambda d: (d["token_ids"], d["sampling_params"]["max_tokens"])),
+    Case("-", "render chat: the rest of the context", "POST", CHAT + "/render",
+         {"messages": USER}, probe=lambda d: d["sampling_params"]["max_tokens"]),
+    Case("-", "render completions: one request per prompt", "POST", C + "/render",
+         {"prompt": ["hello", "world x"], "max_tokens": 5},
+         probe=lambda d: [r["token_ids"] for r in d]),
+    Case("-", "render messages", "POST", MESSAGES + "/render",
+         {"messages": USER, "max_tokens": 5}, probe=lambda d: d["token_ids"]),
+    Case("-", "generate: token ids", "POST", GENERATE, GREEDY_IDS,
+         probe=lambda d: [len(c["token_ids"]) for c in d["choices"]]),
+    Case("-", "generate: text and logprobs", "POST", GENERATE,
+         {**GREEDY_IDS, "output_mode": "text", "return_token_ids": True,
+          "sampling_params": {**GREEDY_IDS["sampling_params"], "logprobs": 2}},
+         probe=lambda d: [len(e["top_logprobs"]) for e in d["choices"][0]["logprobs"]["content"]]),
+    Case("-", "generate: a stream", "POST", GENERATE,
+         {**GREEDY_IDS, "stream": True, "stream_options": {"include_usage": True}},
+         probe=_usage_counts),
+    Case("-", "generate: no sampling_params is a 400", "POST", GENERATE, {"token_ids": [1]}),
+    Case("-", "generate: a token past the vocabulary is a 400", "POST", GENERATE,
+         {"token_ids": [1, 99999], "sampling_params": {}}),
+    Case("-", "generate: stop without detokenize is a 400", "POST", GENERATE,
+         {"token_ids": [1], "sampling_params": {"stop": ["a"], "detokenize": False}}),
+    Case("-", "derender chat", "POST", CHAT + "/derender", {"generate_response": GENERATED},
+         probe=lambda d: d["choices"][0]["message"]["content"]),
+    Case("-", "derender completions", "POST", C + "/derender",
+         {"generate_responses": [GENERATED]}, probe=lambda d: d["choices"][0]["text"]),
+]  # fmt: skip
+
+PROFILES = {"default": DEFAULT, "flags": FLAGS, "scale-out": SCALE_OUT}

@@ -164,6 +164,7 @@ async def finished_generation(
     body: SamplingFields,
     tokenizer,
     skip_special_tokens: bool,
+    eos_token_ids: list[int],
 ) -> FinishedGeneration:
     """The choices of these responses (one per prompt) as a finished generation whose
     text is decoded as the route decodes it: EOS and stop tokens are no text, and a
@@ -189,7 +190,7 @@ async def finished_generation(
                     include_stop=body.include_stop_str_in_output,
                 ),
             )
-            _fill(choice, generated)
+            _fill(choice, generated, eos_token_ids)
             choices.append(choice)
             decoded += len(generated.token_ids)
             if decoded >= DECODE_SLICE:
@@ -201,11 +202,13 @@ async def finished_generation(
     return FinishedGeneration(prompts, choices, prompt_tokens)
 
 
-def _fill(choice: Choice, generated: GeneratedChoice) -> None:
+def _fill(choice: Choice, generated: GeneratedChoice, eos_token_ids: list[int]) -> None:
     ids = generated.token_ids
     text_ids = ids
-    by_token = generated.finish_reason == "stop" and not isinstance(generated.stop_reason, str)
-    if by_token and not choice.detok.include_stop:
+    stop = generated.stop_reason
+    stopped_by = {*eos_token_ids, stop} if isinstance(stop, int) else set(eos_token_ids)
+    ended_by_token = generated.finish_reason == "stop" and ids[-1] in stopped_by
+    if ended_by_token and not choice.detok.include_stop:
         text_ids = ids[:-1]  # EOS or a stop token id: no text, as the route decodes it
     choice.detok.add(text_ids)
     choice.detok.take(final=True)

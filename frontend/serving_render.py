@@ -205,6 +205,7 @@ async def derender_chat_completion(ctx: ServingContext, request: Request) -> Res
         chat,
         ctx.renderer.raw,
         chat.skip_special_tokens,
+        ctx.client.engines[0].ready.eos_token_ids,
     )
     view = ChatView(
         ctx, chat, gen, response.request_id, served, [chat.messages], parser, tools.choice
@@ -253,6 +254,7 @@ async def derender_completion(ctx: ServingContext, request: Request) -> Response
         original,
         ctx.renderer.raw,
         original.skip_special_tokens,
+        ctx.client.engines[0].ready.eos_token_ids,
     )
     view = CompletionView(ctx, original, gen, responses[0].request_id, served, False, None)
     return json_response(view.response())

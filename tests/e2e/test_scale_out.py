@@ -8,7 +8,7 @@ in test_dev_routes.py (a two-API-server, two-node deployment)."""
 from __future__ import annotations
 
 import pytest
-from e2e_http import MODEL, assert_error, post_stream
+from e2e_http import EOS, MODEL, assert_error, post_stream
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -272,6 +272,24 @@ def test_render_generate_derender_answers_what_the_completion_route_answers(http
     for ours, theirs in zip(derendered["choices"], direct["choices"], strict=True):
         assert ours["text"] == theirs["text"] and ours["index"] == theirs["index"]
         assert ours["logprobs"]["tokens"] == theirs["logprobs"]["tokens"]
+
+
+def test_derender_drops_an_eos_and_keeps_every_other_last_token(http):
+    """finish_reason stop without a stop string: the last token is no text when it is the
+    EOS (or the stop token id named), whatever skip_special_tokens says."""
+
+    def content(token_ids, chat_request=None, **fields):
+        choice = {"index": 0, "token_ids": token_ids, "finish_reason": "stop", **fields}
+        body = {"generate_response": {"request_id": "g", "choices": [choice]}}
+        if chat_request is not None:
+            body["chat_request"] = chat_request
+        return render(http, "/v1/chat/completions/derender", body)["choices"][0]["message"]
+
+    plain = content([72, 80])["content"]
+    assert plain and content([72])["content"] != plain  # the last token was kept
+    keep_special = {**CHAT, "skip_special_tokens": False}
+    assert content([72, 80, EOS], keep_special)["content"] == plain
+    assert content([72, 80, 101], stop_reason=101)["content"] == plain
 
 
 @pytest.mark.parametrize(
