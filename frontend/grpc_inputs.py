@@ -24,6 +24,7 @@ from frontend.openai_models import SamplingFields
 from frontend.request_inputs import RequestInputs, validation_error
 from frontend.sampling import check_token_ids, context_length_error, sampling_params, truncation
 from frontend.structured_outputs import constraint
+from frontend.tracing import trace_headers
 from protocol.messages import SamplingParams, StructuredOutputs
 
 if TYPE_CHECKING:
@@ -42,9 +43,11 @@ class GenerateInputs:
     params: SamplingParams
 
 
-async def read_generate(ctx: ServingContext, request: pb.GenerateRequest) -> GenerateInputs:
+async def read_generate(
+    ctx: ServingContext, request: pb.GenerateRequest, metadata=()
+) -> GenerateInputs:
     """Server state, then the request's own fields, then the prompt: each refusal
-    before the next cost."""
+    before the next cost. `metadata`: the call's, for a W3C trace context when traced."""
     ctx.preflight()
     if request.request_id:
         check_request_id(request.request_id, "request_id", ctx.limits)
@@ -68,8 +71,11 @@ async def read_generate(ctx: ServingContext, request: pb.GenerateRequest) -> Gen
     if spec is not None:
         params = msgspec.structs.replace(params, structured_outputs=spec)
     request_id = request.request_id or uuid.uuid4().hex
+    traced = trace_headers(dict(metadata)) if ctx.tracer is not None else None
     return GenerateInputs(
-        RequestInputs(body, ctx.model_name, request_id, 0, engine_rank), prompt, params
+        RequestInputs(body, ctx.model_name, request_id, 0, engine_rank, trace_headers=traced),
+        prompt,
+        params,
     )
 
 

@@ -91,7 +91,7 @@ class EngineService(VllmEngineServicer):
         ctx.in_flight += 1
         generation = None
         try:
-            g = await read_generate(ctx, request)
+            g = await read_generate(ctx, request, context.invocation_metadata() or ())
             generation = ctx.submit(g.inputs, [g.prompt], [g.params])
             self.by_id.setdefault(generation.request_id, set()).add(generation)
             await context.send_initial_metadata(

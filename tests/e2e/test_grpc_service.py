@@ -22,6 +22,7 @@ from e2e_grpc import (
     request_counts,
     wait_for,
 )
+from e2e_otlp import OTLPCollector
 from e2e_tls import CertificateAuthority, have_openssl
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
@@ -42,7 +43,13 @@ PROMPT = [72, 101, 108, 108, 111]  # "Hello"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, long_context, tmp_path_factory):
+def collector():
+    with OTLPCollector() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, long_context, tmp_path_factory, collector):
     tls, ca, client = (), None, None
     if have_openssl():  # TLS that requires client certificates from the test's CA
         authority = CertificateAuthority(tmp_path_factory.mktemp("tls"))
@@ -64,6 +71,8 @@ def server(tiny_model, long_context, tmp_path_factory):
         "--max-num-queued-reqs", str(MAX_QUEUED_REQS),
         "--max-request-body-bytes", str(MAX_BODY),
         "--max-concurrent-streams", "16",
+        "--otlp-traces-endpoint", collector.endpoint,
+        env={"OTEL_BSP_SCHEDULE_DELAY": "100"},  # spans leave within 0.1 s
         ca=ca,
         client=client,
     ) as s:  # fmt: skip
@@ -538,3 +547,24 @@ def test_hostile_messages_leave_the_server_responsive(server, channel, stub):
     # A method the service does not have.
     error = rpc_error(channel.unary_unary("/vllm.grpc.engine.VllmEngine/Nope"), b"", metadata=AUTH)
     assert error.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_a_generate_with_a_trace_context_is_a_span_under_the_callers_trace(stub, collector):
+    """The call's W3C traceparent (gRPC metadata) parents its llm_request span, as the
+    header does over HTTP; a call without one starts a trace of its own."""
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    traced = (*AUTH, ("traceparent", f"00-{trace_id}-{parent}-01"))
+    generate(stub, PROMPT, traced, request_id="grpc-traced", max_tokens=2)
+    generate(stub, PROMPT, AUTH, request_id="grpc-own", max_tokens=2)
+    wait_for(
+        lambda: all(
+            collector.with_attribute("gen_ai.request.id", r) for r in ("grpc-traced", "grpc-own")
+        ),
+        "the spans at the collector",
+        timeout=20,
+    )
+    (span,) = collector.with_attribute("gen_ai.request.id", "grpc-traced")
+    assert (span.trace_id, span.parent_span_id) == (trace_id, parent)
+    assert span.attributes["gen_ai.usage.completion_tokens"] == 2
+    (own,) = collector.with_attribute("gen_ai.request.id", "grpc-own")
+    assert own.trace_id != trace_id and own.parent_span_id == ""
