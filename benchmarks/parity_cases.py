@@ -23,7 +23,6 @@ VLLM_ONLY = frozenset(
         "completion_tokens_details",
         "created_cache_tokens",
         "multimodal_tokens",
-        "system_fingerprint",  # vLLM fills it, zserve says null: both allowed by OpenAI
         "tool_calls",  # tools are issue 17's
         "permission",
         "input_messages",  # /v1/responses: vLLM's harmony messages, null unless asked for

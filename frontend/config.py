@@ -32,6 +32,7 @@ class FrontendConfig:
     enable_request_id_headers: bool = False
     enable_scale_out: bool = False  # the /render and /inference/v1 routes
     tokens_only: bool = False  # --tokens-only: those, /abort_requests, and no detokenizing
+    system_fingerprint: str | None = None  # --fingerprint-mode's (launcher/fingerprint.py)
     enable_prompt_tokens_details: bool = False
     force_include_usage: bool = False  # a usage chunk ends every stream
     enable_tokenizer_info_endpoint: bool = False

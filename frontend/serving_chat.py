@@ -367,7 +367,7 @@ class ChatView(StreamingView):
             "model": self.model,
             "choices": choices,
             "usage": self.usage(),
-            "system_fingerprint": None,
+            "system_fingerprint": self.ctx.config.system_fingerprint,
             "prompt_logprobs": self.prompt_logprobs(first) if one_prompt else None,
             "prompt_token_ids": first.prompt_ids if body.return_token_ids and one_prompt else None,
         }

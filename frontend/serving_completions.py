@@ -230,5 +230,5 @@ class CompletionView(StreamingView):
                 }
             )
         result = self.chunk(choices, self.usage())
-        result["system_fingerprint"] = None
+        result["system_fingerprint"] = self.ctx.config.system_fingerprint
         return result

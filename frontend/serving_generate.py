@@ -142,6 +142,7 @@ class GenerateView(StreamingView):
     """Shapes a generate request's output as vLLM's GenerateResponse and its chunks."""
 
     body: GenerateBody
+    fingerprinted = False  # vLLM's generate answers carry none
 
     def __init__(
         self, ctx: ServingContext, body: GenerateBody, gen: Generation, id_: str, model: str

@@ -99,17 +99,28 @@ class StreamingView(GenerationView):
         prompt_tokens = len(self.gen.choices[d.index].prompt_ids)
         return self.chunk([choice], running_usage(prompt_tokens, d.num_generated))
 
+    fingerprinted = True  # the last chunk names the server (vLLM's system_fingerprint)
+
     async def events(self) -> AsyncIterator[bytes]:
         """Hot path: one chunk per token (per --stream-interval tokens)."""
         include_usage, continuous = stream_usage(self.body.stream_options, self.ctx.config)
+        fingerprint = self.ctx.config.system_fingerprint if self.fingerprinted else None
+        # As vLLM: on each choice's finishing chunk, or on the usage chunk when one ends it.
+        on_finish = None if include_usage else fingerprint
 
         def render(d: ChoiceDelta) -> list[bytes]:
-            return [sse.event(self.stream_chunk(d, c, continuous)) for c in self.stream_choices(d)]
+            chunks = [self.stream_chunk(d, c, continuous) for c in self.stream_choices(d)]
+            if on_finish is not None and d.finish_reason and chunks:
+                chunks[-1]["system_fingerprint"] = on_finish
+            return [sse.event(chunk) for chunk in chunks]
 
         async for chunk in self.delta_bytes(render):
             yield chunk
         if include_usage:
-            yield sse.event(self.chunk([], self.usage(stream=True)))
+            chunk = self.chunk([], self.usage(stream=True))
+            if fingerprint is not None:
+                chunk["system_fingerprint"] = fingerprint
+            yield sse.event(chunk)
 
 
 def stream_usage(opts: StreamOptions | None, config: FrontendConfig) -> tuple[bool, bool]:

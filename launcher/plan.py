@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from engine_core.config import EngineConfig, cpu_thread_count
 from frontend.chat_tools import load_chat_parsers
 from frontend.config import FrontendConfig
+from launcher.fingerprint import system_fingerprint
 from launcher.generation_config import GenerationConfigError
 from launcher.http_door import apply_http_door, http_door_refusal
 from launcher.limit_args import request_limits
@@ -127,11 +128,12 @@ def build_plan(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) -> 
             apply_compat_flags(frontend, args)
         except GenerationConfigError as e:
             raise LaunchRefused(str(e)) from None
+    engine = dataclasses.replace(engine_config(args, topology, model_dir, tokenizer_dir), lora=lora)
+    if frontend is not None:
+        frontend.system_fingerprint = system_fingerprint(args, engine, topology.data_parallel_size)
     return LaunchPlan(
         topology=topology,
-        engine=dataclasses.replace(
-            engine_config(args, topology, model_dir, tokenizer_dir), lora=lora
-        ),
+        engine=engine,
         frontend=frontend,
         log_level=args.log_level,
         engine_ready_timeout_s=args.engine_ready_timeout,

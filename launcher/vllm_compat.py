@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from launcher.arg_types import json_object
+from launcher.fingerprint import add_fingerprint_args, fingerprint_refusal
 from launcher.generation_config import generation_defaults
 
 if TYPE_CHECKING:
@@ -35,6 +36,15 @@ _ALWAYS = {
     "async_scheduling": "zserve's engine schedules each step after the last; no effect",
     "enable_log_outputs": "zserve logs no prompt or output text (request lines: ids, counts)",
     "max_log_len": "zserve's request lines hold no prompt text to shorten",
+    "compilation_config": "zserve compiles nothing at start (no torch.compile, no CUDA "
+    "graphs): its CPU kernels are built ahead; no effect",
+    "max_parallel_loading_workers": "each engine reads its checkpoint itself; no effect",
+    "disable_cascade_attn": "zserve has no cascade attention; no effect",
+}
+# flag → (its one accepted value, what zserve does instead of the others); None: unset
+_ONE = {
+    "quantization": (None, "zserve runs the checkpoint's own weights (--dtype); no quantization"),
+    "pipeline_parallel_size": (1, "each engine holds the whole model (scale out with -dp)"),
 }
 
 
@@ -110,6 +120,32 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-sleep-mode", action="store_true", help=_ALWAYS["enable_sleep_mode"])
     g.add_argument("--enable-log-outputs", action="store_true", help=_ALWAYS["enable_log_outputs"])
     g.add_argument("--max-log-len", type=int, default=None, help=_ALWAYS["max_log_len"])
+    g.add_argument("--quantization", "-q", default=None, help=_ONE["quantization"][1])
+    g.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="1 only: " + _ONE["pipeline_parallel_size"][1],
+    )
+    g.add_argument(
+        "--distributed-executor-backend",
+        default=None,
+        help="mp or uni: one process per engine, as zserve always runs; ray and "
+        "external_launcher are refused (zserve places engines on Ray with "
+        "--data-parallel-backend ray)",
+    )
+    g.add_argument("--compilation-config", "-cc", default=None, help=_ALWAYS["compilation_config"])
+    g.add_argument(
+        "--max-parallel-loading-workers",
+        type=int,
+        default=None,
+        help=_ALWAYS["max_parallel_loading_workers"],
+    )
+    g.add_argument(
+        "--disable-cascade-attn", action="store_true", help=_ALWAYS["disable_cascade_attn"]
+    )
+    add_fingerprint_args(g)
     g.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
@@ -140,12 +176,24 @@ def compat_refusal(args: argparse.Namespace) -> str | None:
             + _ALWAYS["enable_chunked_prefill"]
             + " (a larger --max-num-batched-tokens gives fewer, longer chunks)"
         )
+    for name, (accepted, instead) in _ONE.items():
+        value = getattr(args, name)
+        if value is not None and value != accepted:
+            flag = "--" + name.replace("_", "-")
+            return f"{flag} {value} is not supported: {instead}"
+    backend = args.distributed_executor_backend
+    if backend not in (None, "mp", "uni"):
+        return (
+            f"--distributed-executor-backend {backend} is not supported: each zserve engine "
+            f"is one process (mp); to place engines on a Ray cluster, use "
+            f"--data-parallel-backend ray"
+        )
     if args.chat_template_content_format == "openai":
         return (
             "--chat-template-content-format openai is not supported: zserve gives chat "
             "templates each message's text as a string (string)"
         )
-    return None
+    return fingerprint_refusal(args)
 
 
 def apply_compat_flags(frontend: FrontendConfig, args: argparse.Namespace) -> None:

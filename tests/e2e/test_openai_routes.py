@@ -19,6 +19,7 @@ from e2e_http import (
     assert_error,
     engine_stats,
     metric_samples,
+    post_stream,
     wait_for,
 )
 
@@ -374,3 +375,27 @@ def test_metrics_engine_gauges_follow_running_requests(default_server, http):
             next(lines[-1])
         wait_for(lambda: gauges()[0] == 3 and gauges()[2] > 0, what="3 running requests")
     wait_for(lambda: gauges() == (0, 0, 0), what="gauges back to zero after the disconnects")
+
+
+def test_responses_and_each_streams_last_chunk_carry_the_system_fingerprint(http):
+    """--fingerprint-mode full (the default), where vLLM puts it: every whole response,
+    a stream's finishing chunks, or its usage chunk when one ends the stream."""
+    fingerprint = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).json()[
+        "system_fingerprint"
+    ]
+    assert re.fullmatch(r"zserve-[0-9.]+-[0-9a-f]{8}", fingerprint), fingerprint
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    assert http.post("/v1/chat/completions", json=chat).json()["system_fingerprint"] == fingerprint
+    _, sse = post_stream(http, "/v1/chat/completions", chat)
+    marked = [e for e in sse.events if "system_fingerprint" in e]
+    assert marked == [sse.events[-1]] and sse.events[-1]["choices"][0]["finish_reason"]
+    assert marked[0]["system_fingerprint"] == fingerprint
+    body = {"prompt": "x", "max_tokens": 3, "n": 2, "stream_options": {"include_usage": True}}
+    _, sse = post_stream(http, "/v1/completions", body)
+    marked = [e for e in sse.events if "system_fingerprint" in e]
+    assert marked == [sse.events[-1]] and sse.events[-1]["choices"] == []
+    _, sse = post_stream(http, "/v1/completions", {**body, "stream_options": None})
+    finishing = [e for e in sse.events if e["choices"][0]["finish_reason"]]
+    assert len(finishing) == 2
+    assert all(e.get("system_fingerprint") == fingerprint for e in finishing)
+    assert sum("system_fingerprint" in e for e in sse.events) == 2

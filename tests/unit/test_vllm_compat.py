@@ -5,6 +5,7 @@ generation_config.py, config_file.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -133,6 +134,12 @@ def test_bad_config_files_are_refused_with_the_reason(tmp_path, text, message):
         (["--tokenizer-mode", "mistral"], "--tokenizer-mode mistral is not supported"),
         (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is not supported"),
         (["--chat-template-content-format", "openai"], "content-format openai is not supported"),
+        (["--quantization", "fp8"], "--quantization fp8 is not supported"),
+        (["-pp", "2"], "--pipeline-parallel-size 2 is not supported"),
+        (["--distributed-executor-backend", "ray"], "--data-parallel-backend ray"),
+        (["--fingerprint-mode", "custom"], "needs --fingerprint-value"),
+        (["--fingerprint-value", "x"], "of --fingerprint-mode custom only"),
+        (["--fingerprint-mode", "custom", "--fingerprint-value", "a\nb"], "printable"),
     ],
 )
 def test_vllm_values_zserve_cannot_honour_are_refused(flags, message):
@@ -179,3 +186,35 @@ def test_hf_overrides_change_the_config_the_engine_reads(tiny_model):
         inspect_model(model, {"architectures": ["GPT2LMHeadModel"]})
     args = build_parser().parse_args(["serve", model, "--hf-overrides", '{"rms_norm_eps": 0.1}'])
     assert plan_launch(args).engine.hf_overrides == {"rms_norm_eps": 0.1}
+
+
+def test_the_fingerprint_names_the_model_and_the_engines_numerics(tiny_model, tmp_path):
+    """--fingerprint-mode as vLLM's: full and hash modes hash what decides the outputs
+    (a restart keeps it; another dtype or model changes it); custom and none."""
+    model = str(tiny_model("llama"))
+
+    def fingerprint(*flags, model=model) -> str | None:
+        return plan_launch(
+            build_parser().parse_args(["serve", model, *flags])
+        ).frontend.system_fingerprint
+
+    full = fingerprint()
+    assert full is not None and full.startswith("zserve-") and len(full.split("-")[-1]) == 8
+    assert fingerprint() == full
+    assert fingerprint("--max-num-seqs", "7") == full  # scheduling, not the outputs
+    assert fingerprint("--dtype", "float32") != full
+    assert fingerprint("--max-model-len", "512") != full
+    other = tmp_path / "other"
+    shutil.copytree(model, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 0.5}))
+    assert fingerprint(model=str(other)) != full
+    dp = fingerprint("--data-parallel-size", "2")
+    assert dp == full.replace("-" + full.split("-")[-1], "-dp2-" + full.split("-")[-1])
+    assert fingerprint("--data-parallel-size", "2", "--fingerprint-mode", "hash") == full
+    assert (
+        fingerprint("--fingerprint-mode", "custom", "--fingerprint-value", "fleet-7") == "fleet-7"
+    )
+    assert fingerprint("--fingerprint-mode", "none") is None
+    for flags in (["-pp", "1"], ["--distributed-executor-backend", "mp"], ["-cc", "{}"]):
+        assert fingerprint(*flags) == full  # accepted vLLM flags that change nothing
