@@ -24,7 +24,7 @@ def test_a_string_prompt_gives_exact_usage_and_finish_length(client):
     assert r.choices[0].finish_reason == "length"
     p = len(PROMPT.encode())
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (p, 5, p + 5)
-    assert r.system_fingerprint is None
+    assert r.system_fingerprint.startswith("zserve-")  # --fingerprint-mode full
 
 
 def test_max_tokens_defaults_to_16(client):
