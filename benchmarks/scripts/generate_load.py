@@ -1,73 +1,76 @@
 """Load for /inference/v1/generate, which `vllm bench serve` does not drive: N requests
 of 64 random prompt ids and 64 output tokens (ignore_eos), streamed in tokens mode, at
 concurrency C, against any server with vLLM's scale-out routes. Prints output tok/s,
-TTFT p99 and ITL p99 (gaps between chunks).
+TTFT p99 and ITL p99 (gaps between chunks), after a warm-up of 16 requests.
 
     python benchmarks/scripts/generate_load.py http://127.0.0.1:8000 200 32
 """
 
-import asyncio, json, random, sys, time, httpx
+from __future__ import annotations
 
-URL, N, C = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-random.seed(0)
-prompts = [[random.randrange(300, 8000) for _ in range(64)] for _ in range(N)]
+import asyncio
+import json
+import random
+import sys
+import time
+
+import httpx
+
+PROMPT_TOKENS, OUTPUT_TOKENS, WARM_UP = 64, 64, 16
 
 
-async def one(c, prompt, ttft, itl):
+async def one(client: httpx.AsyncClient, prompt: list[int], ttft: list, itl: list) -> int:
     body = {
         "token_ids": prompt,
-        "sampling_params": {"max_tokens": 64, "ignore_eos": True, "temperature": 1.0},
+        "sampling_params": {"max_tokens": OUTPUT_TOKENS, "ignore_eos": True, "temperature": 1.0},
         "stream": True,
     }
-    t0 = time.perf_counter()
+    start = time.perf_counter()
     last = None
-    n = 0
-    async with c.stream("POST", "/inference/v1/generate", json=body) as r:
+    tokens = 0
+    async with client.stream("POST", "/inference/v1/generate", json=body) as r:
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
                 continue
             now = time.perf_counter()
-            n += (
-                len(json.loads(line[6:])["choices"][0]["token_ids"])
-                if '"choices":[{' in line
-                else 0
-            )
+            for choice in json.loads(line[len("data: ") :])["choices"]:
+                tokens += len(choice["token_ids"])
             if last is None:
-                ttft.append(now - t0)
+                ttft.append(now - start)
             else:
                 itl.append(now - last)
             last = now
-    return n
+    return tokens
 
 
-async def main():
-    ttft, itl = [], []
-    sem = asyncio.Semaphore(C)
-    async with httpx.AsyncClient(
-        base_url=URL, timeout=600, limits=httpx.Limits(max_connections=C + 8)
-    ) as c:
+def p99_ms(values: list[float]) -> float:
+    return round(sorted(values)[int(0.99 * (len(values) - 1))] * 1000, 1)
 
-        async def guarded(p):
-            async with sem:
-                return await one(c, p, ttft, itl)
 
-        await asyncio.gather(*(guarded(p) for p in prompts[:16]))  # warm
+async def main(url: str, num_requests: int, concurrency: int) -> None:
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(300, 8000) for _ in range(PROMPT_TOKENS)] for _ in range(num_requests)
+    ]
+    ttft: list[float] = []
+    itl: list[float] = []
+    slots = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+
+        async def limited(prompt: list[int]) -> int:
+            async with slots:
+                return await one(client, prompt, ttft, itl)
+
+        await asyncio.gather(*(limited(p) for p in prompts[:WARM_UP]))
         ttft.clear()
         itl.clear()
-        t = time.perf_counter()
-        total = sum(await asyncio.gather(*(guarded(p) for p in prompts)))
-        wall = time.perf_counter() - t
-    q = lambda xs, p: sorted(xs)[int(p * (len(xs) - 1))] * 1000
-    print(
-        json.dumps(
-            {
-                "tok_s": round(total / wall),
-                "tokens": total,
-                "ttft_p99_ms": round(q(ttft, 0.99), 1),
-                "itl_p99_ms": round(q(itl, 0.99), 1),
-            }
-        )
-    )
+        start = time.perf_counter()
+        total = sum(await asyncio.gather(*(limited(p) for p in prompts)))
+        wall = time.perf_counter() - start
+    result = {"tok_s": round(total / wall), "tokens": total}
+    print(json.dumps(result | {"ttft_p99_ms": p99_ms(ttft), "itl_p99_ms": p99_ms(itl)}))
 
 
-asyncio.run(main())
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
