@@ -29,6 +29,7 @@ from frontend.openai_models import (
     StreamOptions,
     _Model,
 )
+from frontend.request_inputs import validation_error
 from protocol.controls import MAX_ABORT_IDS
 from protocol.messages import SamplingParams, StructuredOutputs
 
@@ -145,8 +146,6 @@ class GenerateBody(CompletionRequest):
         try:
             body = super().model_validate(fields, **kwargs)
         except ValidationError as e:
-            from frontend.request_inputs import validation_error
-
             raise in_sampling_params(validation_error(e)) from None
         body._max_tokens_given = fields.get("max_tokens") is not None
         return body
@@ -167,7 +166,9 @@ def completion_fields(req: GenerateRequest) -> dict[str, Any]:
             )
     detokenize = params.get("detokenize", True)
     if not isinstance(detokenize, bool):
-        raise APIError("sampling_params.detokenize: must be true or false", param="detokenize")
+        raise APIError(
+            "sampling_params.detokenize: must be true or false", param="sampling_params.detokenize"
+        )
     if not detokenize and params.get("stop"):
         raise APIError(
             "sampling_params.stop: stop strings are only supported when detokenize is true",
