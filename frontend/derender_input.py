@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.errors import APIError
 from frontend.generation import Choice
-from frontend.limits import RequestLimits, check_prompt_count
-from frontend.openai_models import SamplingFields, _Model
+from frontend.limits import RequestLimits, check_prompt_count, check_stop_strings
+from frontend.openai_models import INT64_MAX, SamplingFields, _Model
 from frontend.sampling import check_token_ids
 from protocol.messages import Logprobs, SamplingParams
 
@@ -43,12 +43,20 @@ class ChoiceLogprobs(_Model):
     content: list[LogprobEntry] | None = None
 
 
+# A stop token id, echoed in the response: a 64-bit integer at most.
+StopTokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
 class GeneratedChoice(_Model):
     index: int = Field(ge=0)
     finish_reason: str | None = "stop"
-    stop_reason: int | str | None = None
+    stop_reason: StopTokenId | str | None = None
     token_ids: list[int] = Field(min_length=1)
     logprobs: ChoiceLogprobs | None = None
+
+
+class GeneratedUsage(_Model):
+    prompt_tokens: int | None = None  # the one count derender reads (check_bounds)
 
 
 class GenerateResponse(_Model):
@@ -59,14 +67,14 @@ class GenerateResponse(_Model):
     choices: list[GeneratedChoice]
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[Any] | None = None
-    usage: dict[str, Any] | None = None
+    usage: GeneratedUsage | None = None
 
 
 class DerenderChatRequest(_Model):
     stream: Literal[False] = False
     model: str | None = None
     generate_response: GenerateResponse
-    prompt_tokens: int | None = Field(None, ge=0)
+    prompt_tokens: int | None = None
     prompt_token_ids: list[int] | None = None
     chat_request: dict[str, Any] | None = None
 
@@ -75,7 +83,7 @@ class DerenderCompletionRequest(_Model):
     stream: Literal[False] = False
     model: str | None = None
     generate_responses: list[GenerateResponse] = Field(min_length=1)
-    prompt_tokens: list[int] | None = None
+    prompt_tokens: list[int | None] | None = None
     prompt_token_ids: list[list[int] | None] | None = None
     completion_request: dict[str, Any] | None = None
 
@@ -114,6 +122,7 @@ class FinishedGeneration:
 def check_bounds(
     responses: list[GenerateResponse],
     prompt_ids: list[list[int] | None],
+    prompt_tokens: list[int | None],
     limits: RequestLimits,
     vocab_size: int,
     max_model_len: int,
@@ -128,6 +137,14 @@ def check_bounds(
             f"are allowed (--max-sequences-per-request)",
             param="choices",
         )
+    counts = [*prompt_tokens, *(r.usage.prompt_tokens for r in responses if r.usage)]
+    for count in counts:
+        if count is not None and not 0 <= count <= max_model_len:
+            raise APIError(
+                f"prompt_tokens: {count} is not a prompt's length on this server (0 to "
+                f"max_model_len, {max_model_len})",
+                param="prompt_tokens",
+            )
     top_limit = vocab_size if max_logprobs == -1 else max_logprobs + 1
     for ids in [*prompt_ids, *(c.token_ids for r in responses for c in r.choices)]:
         if ids is not None and len(ids) > max_model_len:
@@ -155,6 +172,12 @@ def check_bounds(
                 check_token_ids(
                     [e.token_id for e in entry.top_logprobs], vocab_size, "top_logprobs"
                 )
+
+
+def check_original(body: SamplingFields, limits: RequestLimits) -> None:
+    """The original request's own limits that derendering meets: its stop strings,
+    which every choice's text is matched against."""
+    check_stop_strings(body.stop_strings, limits)
 
 
 async def finished_generation(

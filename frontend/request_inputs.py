@@ -197,4 +197,4 @@ _RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "l
 _VLLM_RANGED_FIELDS = frozenset({"seed", "priority", "truncate_prompt_tokens", "prompt"})
 
 
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*)$")
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*|constrained-.*)$")

@@ -29,6 +29,7 @@ from frontend.derender_input import (
     DerenderChatRequest,
     DerenderCompletionRequest,
     check_bounds,
+    check_original,
     finished_generation,
 )
 from frontend.errors import APIError
@@ -147,20 +148,27 @@ async def _derender_body(ctx: ServingContext, request: Request, model: type[M]) 
     return await parse_body(ctx, request, model)
 
 
-def _original(model: type[M], data: dict | None, field: str, default: dict) -> M:
+def _original(
+    ctx: ServingContext, model: type[M], data: dict | None, field: str, default: dict
+) -> M:
     """The request a render came from, checked as its route checks it."""
     try:
-        return model.model_validate(data if data is not None else default)
+        original = model.model_validate(data if data is not None else default)
+        check_original(original, ctx.limits)
     except ValidationError as e:
         error = validation_error(e)
         param = (error.param or "").removeprefix("body.")
         raise APIError(f"{field}.{error.message}", param=f"{field}.{param}".rstrip(".")) from None
+    except APIError as e:
+        raise APIError(f"{field}.{e.message}", param=f"{field}.{e.param}") from None
+    return original
 
 
-def _check(ctx: ServingContext, responses, prompt_ids) -> None:
+def _check(ctx: ServingContext, responses, prompt_ids, prompt_tokens) -> None:
     check_bounds(
         responses,
         prompt_ids,
+        prompt_tokens,
         ctx.limits,
         ctx.vocab_size,
         ctx.max_model_len,
@@ -174,14 +182,14 @@ def _prompt_tokens(given: int | None, ids: list[int] | None, response) -> int:
         return given
     if ids is not None:
         return len(ids)
-    return int((response.usage or {}).get("prompt_tokens") or 0)
+    return (response.usage.prompt_tokens or 0) if response.usage else 0
 
 
 async def derender_chat_completion(ctx: ServingContext, request: Request) -> Response:
     body = await _derender_body(ctx, request, DerenderChatRequest)
     served, _ = await ctx.resolve_target(body.model)
     response = body.generate_response
-    _check(ctx, [response], [body.prompt_token_ids])
+    _check(ctx, [response], [body.prompt_token_ids], [body.prompt_tokens])
     parsers = ctx.chat_parsers
     if body.chat_request is None and (
         parsers.reasoning_parser is not None or parsers.tool_parser is not None
@@ -191,7 +199,7 @@ async def derender_chat_completion(ctx: ServingContext, request: Request) -> Res
             "decoding would leave their markup in the content)",
             param="chat_request",
         )
-    chat = _original(ChatCompletionRequest, body.chat_request, "chat_request", _NO_CHAT)
+    chat = _original(ctx, ChatCompletionRequest, body.chat_request, "chat_request", _NO_CHAT)
     if body.chat_request is None:
         _show_logprobs_given(chat, response)
     tools = chat_tools(parsers, chat)
@@ -233,16 +241,16 @@ async def derender_completion(ctx: ServingContext, request: Request) -> Response
     served, _ = await ctx.resolve_target(body.model)
     responses = body.generate_responses
     prompt_ids = body.prompt_token_ids or [None] * len(responses)
-    _check(ctx, responses, prompt_ids)
+    counts = body.prompt_tokens or [None] * len(responses)
+    _check(ctx, responses, prompt_ids, counts)
     original = _original(
-        CompletionRequest, body.completion_request, "completion_request", {"prompt": [1]}
+        ctx, CompletionRequest, body.completion_request, "completion_request", {"prompt": [1]}
     )
     if body.completion_request is None:
         entries = [
             e for r in responses for c in r.choices if c.logprobs for e in c.logprobs.content or []
         ]
         original.logprobs = max(len(entries[0].top_logprobs) - 1, 0) if entries else None
-    counts = body.prompt_tokens or [None] * len(responses)
     prompt_tokens = sum(
         _prompt_tokens(count, ids if ids is not None else r.prompt_token_ids, r)
         for count, ids, r in zip(counts, prompt_ids, responses, strict=True)

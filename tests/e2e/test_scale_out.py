@@ -15,6 +15,7 @@ pytestmark = pytest.mark.timeout(120)
 GENERATE = "/inference/v1/generate"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello there"}]}
 PROMPT = [1, 72, 80, 101]
+ONE_TOKEN = {"request_id": "g", "choices": [{"index": 0, "token_ids": [72]}]}
 
 
 def generate(http, body: dict) -> dict:
@@ -325,6 +326,29 @@ def test_derender_drops_an_eos_and_keeps_every_other_last_token(http):
             "choices",
         ),
         ("/v1/completions/derender", {"generate_responses": []}, "body.generate_responses"),
+        # Echoed counts stay 64-bit and plausible; the original request keeps its limits.
+        (
+            "/v1/chat/completions/derender",
+            {"generate_response": {**ONE_TOKEN, "choices": [{"index": 0, "token_ids": [1], "stop_reason": 10**30}]}},
+            "generate_response.choices.0.stop_reason",
+        ),
+        ("/v1/chat/completions/derender", {"generate_response": ONE_TOKEN, "prompt_tokens": 10**30}, "prompt_tokens"),
+        ("/v1/completions/derender", {"generate_responses": [ONE_TOKEN], "prompt_tokens": [-5]}, "prompt_tokens"),
+        (
+            "/v1/chat/completions/derender",
+            {"generate_response": {**ONE_TOKEN, "usage": {"prompt_tokens": "x"}}},
+            "body.generate_response.usage.prompt_tokens",
+        ),
+        (
+            "/v1/chat/completions/derender",
+            {"generate_response": ONE_TOKEN, "chat_request": {**CHAT, "stop": ["s"] * 65}},
+            "chat_request.stop",
+        ),
+        (
+            "/v1/completions/derender",
+            {"generate_responses": [ONE_TOKEN], "completion_request": {"prompt": "a", "stop": ["s" * 5000]}},
+            "completion_request.stop",
+        ),
     ],
 )  # fmt: skip
 def test_derender_refuses_by_field(http, path, body, param):
