@@ -13,7 +13,7 @@ top entries (and one more, the chosen token's).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
@@ -106,9 +106,7 @@ class FinishedGeneration:
     prompts: list[list[int]]
     choices: list[Choice]
     prompt_tokens: int
-    finished: bool = True
     num_cached_tokens: int = 0
-    keep_logprobs: bool = field(default=True)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -223,6 +221,11 @@ async def finished_generation(
         ids or r.prompt_token_ids or [] for r, ids in zip(responses, prompt_ids, strict=True)
     ]
     return FinishedGeneration(prompts, choices, prompt_tokens)
+
+
+def logprob_entries(responses: list[GenerateResponse]) -> list[LogprobEntry]:
+    """Every logprob entry of the responses' choices, in order."""
+    return [e for r in responses for c in r.choices if c.logprobs for e in c.logprobs.content or []]
 
 
 def _fill(choice: Choice, generated: GeneratedChoice, eos_token_ids: list[int]) -> None:

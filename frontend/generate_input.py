@@ -169,16 +169,6 @@ def completion_fields(req: GenerateRequest) -> dict[str, Any]:
         raise APIError(
             "sampling_params.detokenize: must be true or false", param="sampling_params.detokenize"
         )
-    if not detokenize and params.get("stop"):
-        raise APIError(
-            "sampling_params.stop: stop strings are only supported when detokenize is true",
-            param="sampling_params.stop",
-        )
-    if not detokenize and req.output_mode != "tokens":
-        raise APIError(
-            f"output_mode={req.output_mode!r} requires sampling_params.detokenize to be true",
-            param="output_mode",
-        )
     fields = {name: params[name] for name in SAMPLING_FIELDS if name in params}
     fields.update(
         prompt=req.token_ids,

@@ -81,6 +81,11 @@ class ServingContext:
     def vocab_size(self) -> int:
         return self.client.vocab_size
 
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The model's end-of-sequence tokens, as the engines reported them."""
+        return self.client.engines[0].ready.eos_token_ids
+
     def tokens_as_ids(self, body: SamplingFields) -> bool:
         """return_tokens_as_token_ids: the request's, else --return-tokens-as-token-ids."""
         if body.return_tokens_as_token_ids is None:

@@ -57,7 +57,9 @@ async def create_generate(ctx: ServingContext, request: Request) -> Response:
         inputs = await read_inputs(ctx, request, GenerateBody)
         body: GenerateBody = inputs.body
         if ctx.config.tokens_only:
-            _decodes_nothing(body)
+            _needs_no_text(body, "a --tokens-only server decodes none")
+        elif not body.detokenize:
+            _needs_no_text(body, "sampling_params.detokenize is false")
         prompt = body.token_ids
         check_token_ids(prompt, ctx.vocab_size, "token_ids")
         constraint = request_constraint(body, ctx.config.structured_outputs)
@@ -84,18 +86,17 @@ async def create_generate(ctx: ServingContext, request: Request) -> Response:
         raise in_sampling_params(e) from None
 
 
-def _decodes_nothing(body: GenerateBody) -> None:
-    """--tokens-only: what needs the output's text is refused (vLLM's rule)."""
+def _needs_no_text(body: GenerateBody, why: str) -> None:
+    """No text will be decoded (`why`): what needs it is refused, as vLLM refuses it."""
     if body.stop_strings:
         raise APIError(
-            "stop strings are not supported on a --tokens-only server, which decodes no "
-            "text; check them where the text is decoded, or use stop_token_ids",
+            f"a stop string needs the output's text, and {why}; use stop_token_ids",
             param="stop",
         )
     if body.output_mode != "tokens":
         raise APIError(
-            f"output_mode={body.output_mode!r} needs the text, which a --tokens-only server "
-            f"does not decode; use output_mode 'tokens'",
+            f"output_mode={body.output_mode!r} needs the output's text, and {why}; use "
+            f"output_mode 'tokens'",
             param="output_mode",
         )
 

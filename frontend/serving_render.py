@@ -31,6 +31,7 @@ from frontend.derender_input import (
     check_bounds,
     check_original,
     finished_generation,
+    logprob_entries,
 )
 from frontend.errors import APIError
 from frontend.generate_input import generate_request
@@ -213,7 +214,7 @@ async def derender_chat_completion(ctx: ServingContext, request: Request) -> Res
         chat,
         ctx.renderer.raw,
         chat.skip_special_tokens,
-        ctx.client.engines[0].ready.eos_token_ids,
+        ctx.eos_token_ids,
     )
     view = ChatView(
         ctx, chat, gen, response.request_id, served, [chat.messages], parser, tools.choice
@@ -228,9 +229,7 @@ _NO_CHAT = {"messages": [{"role": "user", "content": ""}]}
 
 def _show_logprobs_given(chat: ChatCompletionRequest, response) -> None:
     """Without the original request: logprobs as many as the response holds."""
-    entries = [
-        e for c in response.choices if c.logprobs is not None for e in c.logprobs.content or []
-    ]
+    entries = logprob_entries([response])
     if entries:
         chat.logprobs = True
         chat.top_logprobs = len(entries[0].top_logprobs)
@@ -247,9 +246,7 @@ async def derender_completion(ctx: ServingContext, request: Request) -> Response
         ctx, CompletionRequest, body.completion_request, "completion_request", {"prompt": [1]}
     )
     if body.completion_request is None:
-        entries = [
-            e for r in responses for c in r.choices if c.logprobs for e in c.logprobs.content or []
-        ]
+        entries = logprob_entries(responses)
         original.logprobs = max(len(entries[0].top_logprobs) - 1, 0) if entries else None
     prompt_tokens = sum(
         _prompt_tokens(count, ids if ids is not None else r.prompt_token_ids, r)
@@ -262,7 +259,7 @@ async def derender_completion(ctx: ServingContext, request: Request) -> Response
         original,
         ctx.renderer.raw,
         original.skip_special_tokens,
-        ctx.client.engines[0].ready.eos_token_ids,
+        ctx.eos_token_ids,
     )
     view = CompletionView(ctx, original, gen, responses[0].request_id, served, False, None)
     return json_response(view.response())

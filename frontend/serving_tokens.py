@@ -84,7 +84,7 @@ async def tokenizer_info(ctx: ServingContext, request: Request) -> Response:
             "tokenizer_class": info.get("tokenizer_class") or type(tok).__name__,
             "model_max_length": max(int(info.get("model_max_length") or 0), ctx.max_model_len),
             "vocab_size": ctx.vocab_size,
-            "eos_token_ids": ctx.client.engines[0].ready.eos_token_ids,
+            "eos_token_ids": ctx.eos_token_ids,
         }
     )
     if "chat_template" not in info and tok.chat_template:
