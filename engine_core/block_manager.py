@@ -9,8 +9,12 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from engine_core.request import Request
+
+if TYPE_CHECKING:
+    from engine_core.lora_manager import LoraSpec
 
 NULL_BLOCK = 0
 
@@ -184,3 +188,13 @@ class BlockManager:
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
         return True
+
+
+def hash_seed(lora: LoraSpec | None, cache_salt: str | None) -> bytes:
+    """Where a request's prefix-cache hash chain starts: the same tokens under another
+    adapter or another salt (or none) never share KV."""
+    digest = b"" if lora is None else lora.digest
+    if cache_salt is None:
+        return digest
+    salt = hashlib.blake2b(cache_salt.encode(), digest_size=16).digest()
+    return hashlib.blake2b(b"salt" + salt + digest, digest_size=16).digest()

@@ -71,6 +71,10 @@ class EngineConfig:
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
     lora: LoraConfig | None = None  # --enable-lora's settings (None: LoRA off)
     hf_overrides: dict = field(default_factory=dict)  # --hf-overrides: over config.json
+    # --runner pooling: every request is pooled into one vector (pooler.py) with this
+    # pooler: LAST (the last prompt token's hidden state), MEAN or CLS (the first's).
+    runner: str = "generate"  # generate | pooling
+    pooling_type: str = "LAST"
 
 
 @dataclass

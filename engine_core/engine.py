@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from bisect import bisect_left
@@ -11,17 +10,18 @@ from concurrent.futures import Future
 import torch
 
 from engine_core.beam_search import BeamGroup, check_beam_request
-from engine_core.block_manager import BlockManager
+from engine_core.block_manager import BlockManager, hash_seed
 from engine_core.config import EngineConfig
 from engine_core.grammar_waits import GrammarWaits
 from engine_core.logprobs import concat_logprobs, logprobs_of_positions, logprobs_per_row
 from engine_core.lora_adapter import LoraError
-from engine_core.lora_manager import LoraManager, LoraSpec
+from engine_core.lora_manager import LoraManager
 from engine_core.model_runner import ModelRunner
+from engine_core.pooler import Pooler
 from engine_core.request import Request, RequestStatus
 from engine_core.sampler import Sampler
 from engine_core.scheduler import Scheduler, SchedulerOutput
-from engine_core.validation import validate_request
+from engine_core.validation import check_fits, validate_request
 from protocol.messages import (
     ITERATION_TOKEN_BUCKETS,
     REQUEST_PREEMPTION_BUCKETS,
@@ -58,6 +58,10 @@ class EngineCore:
         self.vocab_size = info.vocab_size
         self.eos_token_ids = info.eos_token_ids
         self.architecture = info.architecture
+        self.hidden_size = int(info.hf_config.hidden_size)
+        self.pooler = (
+            Pooler(config.pooling_type, self.hidden_size) if config.runner == "pooling" else None
+        )
         self.model_type = str(getattr(info.hf_config, "model_type", "") or "")
         self.bos_token_id = _token_id(getattr(info.hf_config, "bos_token_id", None))
         self.pad_token_id = _token_id(getattr(info.hf_config, "pad_token_id", None))
@@ -121,10 +125,15 @@ class EngineCore:
             if request.request_id in self.requests:
                 raise ValueError(f"request id {request.request_id!r} is already running")
             validate_request(request, self.vocab_size, self.config.max_logprobs)
-            self._check_fits(request)
+            check_fits(request, self.max_model_len, self.max_request_tokens, self.blocks)
             if request.sampling_params.beam_width:
                 check_beam_request(request, self.max_beam_width, self.blocks)
             state = Request(request, self.eos_token_ids)
+            if self.pooler is not None:
+                self.pooler.check(state)
+                self.pooler.prepare(state)
+            elif request.pooling is not None:
+                raise ValueError("this engine generates: run it with --runner pooling to pool")
             if request.lora_name is not None:
                 if self.loras is None:
                     raise ValueError(
@@ -145,24 +154,6 @@ class EngineCore:
         if schedulable:
             self.scheduler.add(state)
         return []
-
-    def _check_fits(self, request: EngineCoreRequest) -> None:
-        """Refuse a request over max_request_tokens, naming the limit that binds."""
-        prompt_len = len(request.prompt_token_ids)
-        max_tokens = request.sampling_params.max_tokens
-        total = prompt_len + max_tokens
-        if total <= self.max_request_tokens:
-            return
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-                f"max_model_len ({self.max_model_len})"
-            )
-        needed = self.blocks.blocks_needed(total - 1)
-        raise ValueError(
-            f"prompt + max_tokens needs {needed} KV blocks but the cache has only "
-            f"{self.blocks.num_usable_blocks}; lower max_tokens or give the KV cache more memory"
-        )
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -242,6 +233,8 @@ class EngineCore:
                 self.num_waits += 1
             return self._wait_for_loras(refused)
         logits = self.runner.execute(plan)
+        if self.pooler is not None:  # the rows are hidden states: nothing to sample
+            return self._pool_step(plan, logits, refused, start)
         num_sampling = len(plan.sampling)
         num_beam_rows = len(plan.beam_rows)
         sample_logits = logits[:num_sampling]
@@ -271,6 +264,26 @@ class EngineCore:
             )
         for client_index, outs in refused.items():
             outputs.setdefault(client_index, []).extend(outs)
+        self.num_steps += 1
+        self.step_time_s = time.perf_counter() - start
+        return outputs
+
+    def _pool_step(
+        self,
+        plan: SchedulerOutput,
+        hidden: torch.Tensor,
+        outputs: dict[int, list[EngineCoreOutput]],
+        start: float,
+    ) -> dict[int, list[EngineCoreOutput]]:
+        """A pooling engine's step after the forward: pool, then answer and free every
+        request whose prompt is done."""
+        self.pooler.step(plan, hidden)
+        answers = self.pooler.outputs(plan, hidden)
+        self._count_tokens(plan, generated=0)
+        for request, answer in zip(self.scheduler.finish_prompts(plan), answers):
+            del self.requests[request.request_id]
+            self._count_preemptions(request)
+            outputs.setdefault(request.client_index, []).append(answer)
         self.num_steps += 1
         self.step_time_s = time.perf_counter() - start
         return outputs
@@ -326,14 +339,15 @@ class EngineCore:
             request.prompt_logprobs_parts.append(part)
             offset += n
 
-    def _count_tokens(self, plan: SchedulerOutput) -> None:
+    def _count_tokens(self, plan: SchedulerOutput, generated: int | None = None) -> None:
         prompt_now = 0
         for request, n in zip(plan.requests, plan.num_tokens):
             prompt_left = request.prompt_len - request.num_computed_tokens
             if prompt_left > 0:
                 prompt_now += min(n, prompt_left)
         self.prompt_tokens_computed += prompt_now
-        generated = len(plan.sampling) + len(plan.beam_rows)
+        if generated is None:
+            generated = len(plan.sampling) + len(plan.beam_rows)
         self.generation_tokens += generated
         # vLLM's meaning of "iteration tokens": prompt tokens computed plus tokens generated.
         step_tokens = prompt_now + generated
@@ -424,16 +438,6 @@ class EngineCore:
             lora_version=0 if self.loras is None else self.loras.version,
             lora_loaded=[] if self.loras is None else self.loras.loaded_names(),
         )
-
-
-def hash_seed(lora: LoraSpec | None, cache_salt: str | None) -> bytes:
-    """Where a request's prefix-cache hash chain starts: the same tokens under another
-    adapter or another salt (or none) never share KV."""
-    digest = b"" if lora is None else lora.digest
-    if cache_salt is None:
-        return digest
-    salt = hashlib.blake2b(cache_salt.encode(), digest_size=16).digest()
-    return hashlib.blake2b(b"salt" + salt + digest, digest_size=16).digest()
 
 
 def _token_id(value: object) -> int | None:

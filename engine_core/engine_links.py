@@ -102,4 +102,5 @@ def ready_announcement(engine, cfg: EngineProcConfig) -> EngineReady:
         incarnation=cfg.incarnation,
         node_id=cfg.node_id,
         max_beam_width=engine.max_beam_width,
+        hidden_size=engine.hidden_size,
     )

@@ -22,6 +22,7 @@ class TransformersBackend:
         # With LoRA the decoder layers' linear layers are wrapped (hf_lora.py).
         self._lora_step = LoraStep()
         self._targets = wrap_lora_targets(model, self._lora_step) if lora else {}
+        self._pooling = False
 
     @staticmethod
     def unsupported_reason(info: ModelInfo) -> str | None:
@@ -43,6 +44,11 @@ class TransformersBackend:
         meta.lora = batch.lora
         return meta
 
+    def pool_hidden_states(self) -> None:
+        # The base model's output: past its final norm, before the LM head (and before
+        # any logit softcapping, as Gemma 2's).
+        self._pooling = True
+
     def lora_targets(self) -> LoraTargets:
         return self._targets
 
@@ -61,6 +67,15 @@ class TransformersBackend:
         # Keyword arguments the model does not know reach the attention function as is.
         self._lora_step.runs = attn_meta.lora
         try:
+            if self._pooling:
+                base = getattr(self.model, self.model.base_model_prefix)
+                out = base(
+                    input_ids=input_ids[None],
+                    position_ids=positions[None],
+                    use_cache=False,
+                    attn_meta=attn_meta,
+                )
+                return out.last_hidden_state[0].index_select(0, logits_indices).float()
             out = self.model(
                 input_ids=input_ids[None],
                 position_ids=positions[None],

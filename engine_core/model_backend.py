@@ -36,6 +36,11 @@ class ModelBackend(Protocol):
         """[N] token ids and positions of the packed batch → fp32 logits [len(logits_indices), V]."""
         ...
 
+    def pool_hidden_states(self) -> None:
+        """From now on forward() answers the final (normed) hidden states of those rows,
+        fp32 [len(logits_indices), hidden], instead of logits (--runner pooling)."""
+        ...
+
     def lora_targets(self) -> LoraTargets:
         """The modules a LoRA adapter may target, by their name in the causal LM, with
         their (in, out) features."""

@@ -12,6 +12,7 @@ from engine_core.backends import make_backend
 from engine_core.config import EngineConfig, default_max_num_seqs
 from engine_core.device import select_device, set_up_host, torch_threads_beside
 from engine_core.kv_cache import KVCacheSpec, PagedKVCache, gpu_num_blocks, sized_num_blocks
+from engine_core.model_backend import ModelBackend
 from engine_core.model_loader import inspect_model, resolve_dtype, resolve_max_model_len
 from engine_core.request import Request
 from engine_core.scheduler import SchedulerOutput
@@ -39,7 +40,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.info, self.device)
         self.block_size = config.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.backend = make_backend(config, self.info, self.dtype, self.device, self.max_model_len)
+        self.backend = self._make_backend()
         self.model_impl = type(self.backend).__name__
         self.kernels = self.backend.kernels  # the CPU kernels, if in use
         # Threads torch keeps while this runner steps (a process running several
@@ -116,9 +117,13 @@ class ModelRunner:
         self.backend = None
 
     def reload_weights(self) -> None:
-        self.backend = make_backend(
-            self.config, self.info, self.dtype, self.device, self.max_model_len
-        )
+        self.backend = self._make_backend()
+
+    def _make_backend(self) -> ModelBackend:
+        backend = make_backend(self.config, self.info, self.dtype, self.device, self.max_model_len)
+        if self.config.runner == "pooling":
+            backend.pool_hidden_states()
+        return backend
 
     def _warmup_blocks(self) -> int:
         return -(-self.max_num_batched_tokens // self.block_size) + 2

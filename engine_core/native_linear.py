@@ -124,3 +124,14 @@ def row_bucket(rows: int) -> int:
 def row_buckets(max_rows: int) -> list[int]:
     """Every row count row_bucket() answers for 1..max_rows."""
     return sorted({row_bucket(rows) for rows in range(1, max_rows + 1)})
+
+
+class HiddenStates:
+    """The LM head of a pooling model (--runner pooling): the normed hidden states as
+    they are, in fp32."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float()
+
+    def warm_up(self, rows: int) -> None:
+        pass

@@ -36,7 +36,7 @@ from engine_core.cpu_decoder import FusedDecoder
 from engine_core.kv_cache import PagedKVCache
 from engine_core.lora_adapter import LoraTargets, LoraWeights
 from engine_core.model_loader import CheckpointTensors, ModelInfo
-from engine_core.native_linear import Linear
+from engine_core.native_linear import HiddenStates, Linear
 from engine_core.native_lora import LoraRows, NativeLora, native_targets
 
 logger = logging.getLogger(__name__)
@@ -198,9 +198,8 @@ class NativeLlamaBackend:
         """cos/sin [length, D] from transformers' own rotary module, computed once."""
         module, name = NATIVE_ARCHITECTURES[info.architecture]
         rotary = getattr(importlib.import_module(module), name)(info.hf_config).to(self.device)
-        positions = torch.arange(length, device=self.device)[None]
         probe = torch.empty(1, dtype=self.dtype, device=self.device)
-        cos, sin = rotary(probe, positions)
+        cos, sin = rotary(probe, torch.arange(length, device=self.device)[None])
         return cos[0].contiguous(), sin[0].contiguous()
 
     def attention_metadata(self, batch: StepBatch, cache: PagedKVCache) -> AttentionMetadata:
@@ -220,6 +219,9 @@ class NativeLlamaBackend:
         for linear in (first.qkv, first.o, first.gate_up, first.down):
             linear.warm_up(max_rows)
         self.lm_head.warm_up(max_sampled_rows)
+
+    def pool_hidden_states(self) -> None:  # the one-call decoder ends in the LM head
+        self.lm_head, self.decoder = HiddenStates(), None
 
     # --- LoRA (native_lora.py) ------------------------------------------------------
 

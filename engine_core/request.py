@@ -61,6 +61,7 @@ class Request:
         "beam",
         "lora",
         "hash_seed",
+        "pooling",
     )
 
     # A running-list entry of the scheduler is a Request or a beam group (beam_search.py).
@@ -93,6 +94,8 @@ class Request:
         if params.seed is not None and not self.is_greedy:
             self.generator = torch.Generator().manual_seed(params.seed % (1 << 64))
         self.pending_logprobs: list[Logprobs] = []
+        # What the prompt's rows gave so far: Logprobs, or a pooling request's partial
+        # pools (pooler.py); cleared when the request is preempted.
         self.prompt_logprobs_parts: list[Logprobs] = []
         self.prompt_logprobs_done = params.prompt_logprobs is None
         self.sampler_state: object | None = None  # owned by the sampler
@@ -104,6 +107,7 @@ class Request:
         self.lora: LoraSpec | None = None  # its LoRA adapter (None: the base model)
         # Starts its prefix-cache hash chain: the adapter's digest and the cache salt.
         self.hash_seed = b""
+        self.pooling = request.pooling  # a pooling request's parameters (pooler.py)
 
     def constraint_complete(self) -> bool:
         """The constraint has started and its text is whole (only EOS may follow)."""

@@ -267,6 +267,15 @@ class Scheduler:
                 self._stop_running(request)
         return out.sampling
 
+    def finish_prompts(self, out: SchedulerOutput) -> list[Request]:
+        """A pooling step (pooler.py): every planned request advances, and each whose
+        prompt is done finishes (already freed, as update() leaves them)."""
+        for request in out.sampling:
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = FinishReason.STOP
+        self.update(out, [])
+        return out.sampling
+
     def _check_stop(self, request: Request, token: int) -> bool:
         # Stop tokens win over length, so a stop at the limit still reports "stop".
         params = request.params

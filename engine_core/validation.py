@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from engine_core.block_manager import BlockManager
 from protocol.messages import MAX_TEMPERATURE, EngineCoreRequest
 
 MAX_LOGIT_BIAS = 100.0
@@ -68,3 +69,38 @@ def validate_request(request: EngineCoreRequest, vocab_size: int, max_logprobs: 
         if not p.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty when given")
         _token_range("allowed_token_ids", p.allowed_token_ids, vocab_size)
+
+
+def check_fits(
+    request: EngineCoreRequest, max_model_len: int, max_request_tokens: int, blocks: BlockManager
+) -> None:
+    """Refuse a request that can never run, naming the limit that binds: the context,
+    or the KV cache (a generation's last token needs no KV; a pooled prompt's every
+    token does)."""
+    prompt_len = len(request.prompt_token_ids)
+    if request.pooling is not None:
+        if prompt_len > max_model_len:
+            raise ValueError(
+                f"the input ({prompt_len} tokens) exceeds max_model_len ({max_model_len})"
+            )
+        _check_blocks(blocks, blocks.blocks_needed(prompt_len), "the input", "")
+        return
+    max_tokens = request.sampling_params.max_tokens
+    total = prompt_len + max_tokens
+    if total <= max_request_tokens:
+        return
+    if total > max_model_len:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+            f"max_model_len ({max_model_len})"
+        )
+    needed = blocks.blocks_needed(total - 1)
+    _check_blocks(blocks, needed, "prompt + max_tokens", "lower max_tokens or ")
+
+
+def _check_blocks(blocks: BlockManager, needed: int, what: str, advice: str) -> None:
+    if needed > blocks.num_usable_blocks:
+        raise ValueError(
+            f"{what} needs {needed} KV blocks but the cache has only "
+            f"{blocks.num_usable_blocks}; {advice}give the KV cache more memory"
+        )

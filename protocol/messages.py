@@ -219,6 +219,14 @@ class LoraConfig(_Wire):
     modules: list[LoraModule] = []  # loaded at start-up
 
 
+class PoolingParams(_Wire):
+    """A pooling request (--runner pooling): its prompt's final hidden states pooled
+    into one vector (engine_core/pooler.py) instead of a generation."""
+
+    normalize: bool = True  # to unit length (vLLM's use_activation for embeddings)
+    dimensions: int | None = None  # the first N only (Matryoshka), before normalizing
+
+
 class EngineCoreRequest(_Wire):
     """ADD: one sequence to generate. `request_id` is the frontend's internal id."""
 
@@ -235,6 +243,7 @@ class EngineCoreRequest(_Wire):
     lora_name: str | None = None  # the LoRA adapter to generate with (None: the base model)
     # Prefix-cache isolation: only requests with the same salt (and adapter) share KV.
     cache_salt: str | None = None
+    pooling: PoolingParams | None = None  # a pooling request (a pooling engine takes no other)
 
     @property
     def num_sequences(self) -> int:
@@ -279,9 +288,8 @@ class SchedulerStats(_Wire):
     # REQUEST_PREEMPTION_BUCKETS upper bound, then one for more.
     request_preemptions_sum: int = 0
     request_preemptions_counts: list[int] = []
-    # Sleep mode (engine_core/sleep_mode.py): 0 awake, else the level the engine sleeps
-    # at (1: KV cache released, 2: weights too), from the moment it stops stepping to
-    # release them until it has every one back.
+    # Sleep mode (engine_core/sleep_mode.py): 0 awake, else the level it sleeps at (1:
+    # KV cache released, 2: weights too), from when it stops stepping until it is back.
     sleep_level: int = 0
     # Refusing new requests: asleep, or draining its own before it sleeps (mode=wait).
     paused: bool = False
@@ -300,9 +308,8 @@ class SchedulerStats(_Wire):
     # (stopping torch's profiler, which holds the GIL while it processes the trace): the
     # API servers take neither its silence nor its lack of steps for death meanwhile.
     blocked_s: float = 0.0
-    # In the heartbeats of an engine on the CPU: the CPU seconds its process has used.
-    # A step longer than --engine-heartbeat-timeout (a large model's long prompt chunk on
-    # a small box) keeps it rising; a hung engine does not.
+    # An engine on the CPU: the CPU seconds its process has used. A step longer than
+    # --engine-heartbeat-timeout keeps it rising; a hung engine's does not.
     cpu_s: float = 0.0
 
 
@@ -363,6 +370,7 @@ class EngineCoreOutput(_Wire):
     error: str | None = None
     queue_time_s: float = 0.0  # on a request's first output: seconds it waited to be scheduled
     beams: list[BeamSequence] | None = None
+    pooled: bytes | None = None  # a pooling request's vector, little-endian float32
 
     @property
     def finished(self) -> bool:
@@ -429,6 +437,7 @@ class EngineReady(_Wire):
     node_id: str = ""  # the Ray node the engine runs on (--data-parallel-backend ray)
     # The widest beam search it runs (its sequences in one step; 0: unknown).
     max_beam_width: int = 0
+    hidden_size: int = 0  # the width of the vectors a pooling engine answers
 
 
 # First frame of [ENGINE_CORE_DEAD, rank] an engine sends every API server when it dies
