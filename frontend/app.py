@@ -38,6 +38,7 @@ from frontend.openai_models import (
     UnloadLoRAAdapterRequest,
 )
 from frontend.openapi import build_openapi
+from frontend.pooling_input import EmbeddingRequest, PoolingRequest
 from frontend.request_inputs import ClientDisconnected, json_body
 from frontend.responses import json_response
 from frontend.responses_input import ResponsesRequest
@@ -53,6 +54,7 @@ from frontend.serving_generate import (
     tokens_only,
 )
 from frontend.serving_lora import load_lora_adapter, runtime_lora_updating, unload_lora_adapter
+from frontend.serving_pooling import create_embedding, create_pooling
 from frontend.serving_render import (
     derender_chat_completion,
     derender_completion,
@@ -150,8 +152,11 @@ async def metrics(ctx: ServingContext, request: Request) -> Response:
 
 
 async def invocations(ctx: ServingContext, request: Request) -> Response:
-    """SageMaker's entry: a chat body goes to chat, a prompt body to completions."""
+    """SageMaker's entry: a chat body goes to chat, a prompt body to completions; on a
+    pooling server, every body to the embeddings."""
     data = await json_body(ctx, request)
+    if ctx.config.pooling is not None:
+        return await create_embedding(ctx, request)
     if "messages" in data:
         return await create_chat_completion(ctx, request)
     if "prompt" in data:
@@ -174,24 +179,44 @@ class RouteSpec:
     vllm_open: bool = False
     when: Callable[[FrontendConfig], bool] | None = None  # served only if this says so
     otherwise: Handler | None = None  # what answers when `when` says no (else a 404)
+    # The servers that have it: "generate" (the default runner), "pool" (--runner
+    # pooling); None: both.
+    task: str | None = None
+
+    def serves(self, config: FrontendConfig) -> bool:
+        """The task is this server's (whatever `when` says)."""
+        return self.task is None or (self.task == "pool") == (config.pooling is not None)
 
 
 ROUTES: tuple[RouteSpec, ...] = (
-    RouteSpec("/v1/completions", create_completion, ("POST",), CompletionRequest),
-    RouteSpec("/v1/chat/completions", create_chat_completion, ("POST",), ChatCompletionRequest),
-    RouteSpec(
-        "/v1/chat/completions/batch",
-        create_batch_chat_completion,
-        ("POST",),
-        BatchChatCompletionRequest,
-    ),
-    RouteSpec("/v1/responses", create_response, ("POST",), ResponsesRequest),
-    RouteSpec("/v1/messages", create_message, ("POST",), MessagesRequest),
-    RouteSpec("/v1/messages/count_tokens", count_tokens, ("POST",), CountTokensRequest),
-    RouteSpec("/v1/responses/{response_id}", stored_response),
-    RouteSpec("/v1/responses/{response_id}/cancel", stored_response, ("POST",)),
     *(
-        RouteSpec(path, handler, ("POST",), body, when=scale_out_enabled, otherwise=scale_out_off)
+        RouteSpec(path, handler, methods, body, task="generate")
+        for path, handler, methods, body in (
+            ("/v1/completions", create_completion, ("POST",), CompletionRequest),
+            ("/v1/chat/completions", create_chat_completion, ("POST",), ChatCompletionRequest),
+            (
+                "/v1/chat/completions/batch",
+                create_batch_chat_completion,
+                ("POST",),
+                BatchChatCompletionRequest,
+            ),
+            ("/v1/responses", create_response, ("POST",), ResponsesRequest),
+            ("/v1/messages", create_message, ("POST",), MessagesRequest),
+            ("/v1/messages/count_tokens", count_tokens, ("POST",), CountTokensRequest),
+            ("/v1/responses/{response_id}", stored_response, ("GET",), None),
+            ("/v1/responses/{response_id}/cancel", stored_response, ("POST",), None),
+        )
+    ),
+    *(
+        RouteSpec(
+            path,
+            handler,
+            ("POST",),
+            body,
+            when=scale_out_enabled,
+            otherwise=scale_out_off,
+            task="generate",
+        )
         for path, handler, body in (
             ("/v1/chat/completions/render", render_chat_completion, ChatCompletionRequest),
             ("/v1/completions/render", render_completion, CompletionRequest),
@@ -204,7 +229,16 @@ ROUTES: tuple[RouteSpec, ...] = (
         )
     ),
     # vLLM's older path of the abort, on its --tokens-only servers.
-    RouteSpec("/abort_requests", abort_requests, ("POST",), AbortRequests, when=tokens_only),
+    RouteSpec(
+        "/abort_requests",
+        abort_requests,
+        ("POST",),
+        AbortRequests,
+        when=tokens_only,
+        task="generate",
+    ),
+    RouteSpec("/v1/embeddings", create_embedding, ("POST",), EmbeddingRequest, task="pool"),
+    RouteSpec("/pooling", create_pooling, ("POST",), PoolingRequest, task="pool"),
     RouteSpec(
         "/invocations",
         invocations,
@@ -313,7 +347,7 @@ class RootPathMiddleware:
 
 def served_routes(config: FrontendConfig) -> list[RouteSpec]:
     """The routes this configuration serves (the others answer 404)."""
-    return [r for r in ROUTES if r.when is None or r.when(config)]
+    return [r for r in ROUTES if r.serves(config) and (r.when is None or r.when(config))]
 
 
 def build_app(ctx: ServingContext) -> Starlette:
@@ -323,7 +357,7 @@ def build_app(ctx: ServingContext) -> Starlette:
     routes += [
         Route(r.path, _bind(ctx, r.otherwise), methods=list(r.methods))
         for r in ROUTES
-        if r.otherwise is not None and r not in served
+        if r.otherwise is not None and r not in served and r.serves(config)
     ]
     if not config.disable_fastapi_docs:
         document = orjson.dumps(build_openapi(served, VERSION, config.root_path))

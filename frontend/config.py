@@ -11,6 +11,19 @@ from protocol.messages import LoraModule
 from protocol.sockets import CurveKeys
 
 
+@dataclass(frozen=True)
+class PoolingOptions:
+    """--runner pooling: the server answers embeddings (serving_pooling.py), not
+    generations; what a request leaves unset, and what the model admits."""
+
+    pooling_type: str = "LAST"  # the engines' pooler: LAST | MEAN | CLS
+    normalize: bool = True  # use_activation's default (sentence-transformers' Normalize)
+    # Matryoshka models (config.json's is_matryoshka / matryoshka_dimensions) take
+    # `dimensions`; None: any in 1..hidden_size, else only those listed.
+    matryoshka: bool = False
+    matryoshka_dimensions: list[int] | None = None
+
+
 @dataclass
 class FrontendConfig:
     model_dir: str
@@ -95,6 +108,7 @@ class FrontendConfig:
     max_tokens_ceiling: int | None = None
     response_role: str = "assistant"  # --response-role
     default_chat_template_kwargs: dict = field(default_factory=dict)
+    pooling: PoolingOptions | None = None  # --runner pooling (None: the server generates)
 
 
 @dataclass

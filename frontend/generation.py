@@ -22,6 +22,7 @@ from protocol.messages import (
     EngineCoreRequest,
     FinishReason,
     Logprobs,
+    PoolingParams,
     SamplingParams,
     engine_request_id,
     now,
@@ -65,6 +66,7 @@ class Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: Logprobs | None = None
+    pooled: bytes | None = None  # a pooling request's vector (float32, little-endian)
     token_ids: list[int] = field(default_factory=list)
     logprob_rows: list[Logprobs] = field(default_factory=list)  # non-streaming only
     first_token_time: float = 0.0
@@ -96,6 +98,7 @@ class Generation:
         observer: GenerationObserver | None = None,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         self.client = client
         self.observer = observer
@@ -104,6 +107,7 @@ class Generation:
         self.engine_rank = engine_rank
         self.lora_name = lora_name
         self.cache_salt = cache_salt
+        self.pooling = pooling  # each prompt pooled into a vector (nothing generated)
         self.event = Wakeup()
         self.arrival_time = now()
         self.keep_logprobs = False  # non-streaming responses collect every logprob row
@@ -181,6 +185,7 @@ class Generation:
             group=group,
             lora_name=self.lora_name,
             cache_salt=self.cache_salt,
+            pooling=self.pooling,
         )
 
     def abort(self) -> None:
@@ -265,7 +270,7 @@ class Generation:
                 500,
             )
         ids = out.new_token_ids
-        if ids:
+        if ids or out.pooled is not None:  # a pooled vector: its request's only output
             t = now()
             if not choice.num_generated:
                 choice.first_token_time = t
@@ -280,6 +285,8 @@ class Generation:
         choice.token_ids.extend(ids)
         if out.prompt_logprobs is not None:
             choice.prompt_logprobs = out.prompt_logprobs
+        if out.pooled is not None:
+            choice.pooled = out.pooled
         if self.keep_logprobs and out.new_logprobs is not None:
             choice.logprob_rows.append(out.new_logprobs)
         stop_string = None

@@ -58,7 +58,8 @@ class SamplingFields(_Model):
     prompt_logprobs: int | None = None
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    truncation_side: Literal["left", "right"] | None = None  # None: left, as in vLLM
+    truncation_side: Literal["left", "right"] | None = None  # None: the default below
+    default_truncation_side: ClassVar[str] = "left"  # vLLM's for generations
     use_beam_search: bool = False  # n beams, the n best answered (frontend/beam_search.py)
     length_penalty: float = 1.0  # beam search: score = logprob / length ** length_penalty
     # Beam search's early stop (vLLM's former and transformers' meanings); unset: "never".

@@ -14,6 +14,7 @@ from starlette.responses import Response, StreamingResponse
 
 from frontend import orca
 from frontend.errors import APIError
+from frontend.generation import Generation
 from frontend.request_inputs import ClientDisconnected
 from frontend.serving import ServingContext
 from frontend.streaming_view import GenerationView
@@ -24,12 +25,7 @@ log = logging.getLogger("zserve.api")
 async def respond(ctx: ServingContext, request: Request, view: GenerationView) -> Response:
     """The response of a submitted generation, as the request asked for it."""
     generation = view.gen
-    headers = {
-        "x-engine-rank": str(generation.engine.rank),
-        "x-api-server": str(ctx.client_index),
-    }
-    if ctx.config.enable_request_id_headers:
-        headers["x-request-id"] = header_safe(generation.request_id)
+    headers = generation_headers(ctx, generation)
     if view.body.stream:
         return _stream(ctx, view, headers)
     try:
@@ -40,6 +36,17 @@ async def respond(ctx: ServingContext, request: Request, view: GenerationView) -
     if report_format:
         headers.update(orca.load_report(report_format, ctx.client.engines))
     return json_response(view.response(), headers)
+
+
+def generation_headers(ctx: ServingContext, generation: Generation) -> dict[str, str]:
+    """Which engine and API server served a generation (and its id, when asked)."""
+    headers = {
+        "x-engine-rank": str(generation.engine.rank),
+        "x-api-server": str(ctx.client_index),
+    }
+    if ctx.config.enable_request_id_headers:
+        headers["x-request-id"] = header_safe(generation.request_id)
+    return headers
 
 
 def _stream(

@@ -19,11 +19,13 @@ if TYPE_CHECKING:
 MAX_LOGPROB_TOKEN_IDS = 128
 
 
-def context_length_error(num_prompt_tokens: int, max_model_len: int) -> APIError:
+def context_length_error(num_prompt_tokens: int, max_model_len: int, room: int = 1) -> APIError:
+    """A prompt too long for the context, which must leave `room` tokens to generate
+    (0: an input to pool, which may fill it)."""
+    must = "be shorter than" if room else "not exceed"
     return APIError(
         f"This model's maximum context length is {max_model_len} tokens. However, your "
-        f"prompt has {num_prompt_tokens} tokens; the prompt must be shorter than the "
-        f"context length.",
+        f"prompt has {num_prompt_tokens} tokens; the prompt must {must} the context length.",
         param="input_tokens",
     )
 
@@ -60,7 +62,7 @@ def truncation(req: SamplingFields, max_model_len: int) -> Truncation | None:
             "truncate_prompt_tokens 0 would leave an empty prompt; send -1 or a positive count",
             param="truncate_prompt_tokens",
         )
-    return Truncation(keep, req.truncation_side != "right")
+    return Truncation(keep, (req.truncation_side or req.default_truncation_side) == "left")
 
 
 def check_token_ids(ids, vocab_size: int, field: str) -> None:

@@ -25,7 +25,7 @@ from frontend.request_inputs import RequestInputs
 from frontend.sampling import Truncation, context_length_error
 from frontend.tokenizer_pool import INLINE_CHARS, TokenizerPool
 from frontend.tracing import RequestTracer
-from protocol.messages import SamplingParams
+from protocol.messages import PoolingParams, SamplingParams
 
 log = logging.getLogger("zserve.api")
 
@@ -147,13 +147,14 @@ class ServingContext:
     # --- tokenizing -----------------------------------------------------------------------
 
     async def encode(
-        self, text: str, add_special_tokens: bool, cut: Truncation | None = None
+        self, text: str, add_special_tokens: bool, cut: Truncation | None = None, room: int = 1
     ) -> list[int]:
         """A prompt's token ids; long texts go to the tokenizer pool (tokenizer_pool.py).
 
-        `cut`: truncate_prompt_tokens. Without it a prompt that does not fit the context
-        is a 400, and a huge one's ids are never listed on this loop."""
-        at_most = None if cut else self.max_model_len - 1
+        `cut`: truncate_prompt_tokens. Without it a prompt that does not leave `room`
+        tokens of the context (0: an input to pool) is a 400, and a huge one's ids are
+        never listed on this loop."""
+        at_most = None if cut else self.max_model_len - room
         if len(text) > INLINE_CHARS and self.tokenizers is not None:
             count, ids = await self.tokenizers.encode(
                 text,
@@ -169,7 +170,7 @@ class ServingContext:
                 ids = self.renderer.encode(text, add_special_tokens)
             count = len(ids)
         if at_most is not None and count > at_most:
-            raise context_length_error(count, self.max_model_len)
+            raise context_length_error(count, self.max_model_len, room)
         return cut.apply(ids) if cut else ids
 
     async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -180,10 +181,15 @@ class ServingContext:
     # --- a generation's life --------------------------------------------------------------
 
     def submit(
-        self, inputs: RequestInputs, prompts: list[list[int]], params: list[SamplingParams]
+        self,
+        inputs: RequestInputs,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        pooling: PoolingParams | None = None,
     ) -> Generation:
         """Admit and send the generation of one request (its prompts × n, `params` one
-        per prompt); every submitted generation reaches finish()."""
+        per prompt; with `pooling`, each prompt's pooled vector instead); every
+        submitted generation reaches finish()."""
         body = inputs.body
         kind = BeamGeneration if params[0].beam_width else Generation
         generation = kind(
@@ -201,6 +207,7 @@ class ServingContext:
             observer=self,
             lora_name=inputs.lora,
             cache_salt=body.cache_salt,
+            pooling=pooling,
         )
         generation.trace_headers = inputs.trace_headers
         self.preflight()  # again: the engines may have died while this one was rendered

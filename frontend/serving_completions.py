@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -10,11 +12,12 @@ from frontend.beam_search import beam_params, check_beam_search, no_step_search
 from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
 from frontend.logprobs import CompletionLogprobs
-from frontend.openai_models import CompletionRequest
+from frontend.openai_models import CompletionRequest, Prompt
 from frontend.request_inputs import read_inputs
 from frontend.responses import respond
 from frontend.sampling import (
     check_token_ids,
+    context_length_error,
     sampling_params,
     shown_logprobs,
     truncation,
@@ -25,6 +28,9 @@ from frontend.structured_outputs import request_constraint
 from frontend.usage import usage
 from protocol.messages import SamplingParams
 
+if TYPE_CHECKING:
+    from frontend.pooling_input import EmbeddingRequest
+
 
 async def tokenize_prompts(ctx: ServingContext, body: CompletionRequest) -> list[list[int]]:
     """The prompts as token ids, each cut to truncate_prompt_tokens (truncation_side)."""
@@ -33,18 +39,36 @@ async def tokenize_prompts(ctx: ServingContext, body: CompletionRequest) -> list
         raise APIError(
             "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt"
         )
+    return await prompt_token_ids(ctx, prompt, body, "prompt")
+
+
+async def prompt_token_ids(
+    ctx: ServingContext,
+    prompt: Prompt,
+    body: CompletionRequest | EmbeddingRequest,
+    field: str,
+    room: int = 1,
+) -> list[list[int]]:
+    """Prompts given as texts or token ids, as token ids: each cut to the body's
+    truncate_prompt_tokens (truncation_side), else refused unless it leaves `room`
+    tokens of the context (0: an input to pool)."""
     cut = truncation(body, ctx.max_model_len)
+    add_special = body.add_special_tokens is not False
     if isinstance(prompt, str) or isinstance(prompt[0], str):
         texts = [prompt] if isinstance(prompt, str) else prompt
         for text in texts:
-            ctx.check_text_length(text, "prompt", truncating=cut is not None)
-        return [await ctx.encode(text, body.add_special_tokens, cut) for text in texts]
+            ctx.check_text_length(text, field, truncating=cut is not None)
+        return [await ctx.encode(text, add_special, cut, room) for text in texts]
     prompts = [list(prompt)] if isinstance(prompt[0], int) else [list(p) for p in prompt]
     for p in prompts:
         if not p:
-            raise APIError("prompt: a token-id prompt may not be empty", param="prompt")
-        check_token_ids(p, ctx.vocab_size, "prompt")
-    return [cut.apply(p) for p in prompts] if cut else prompts
+            raise APIError(f"{field}: a token-id prompt may not be empty", param=field)
+        check_token_ids(p, ctx.vocab_size, field)
+    prompts = [cut.apply(p) for p in prompts] if cut else prompts
+    for p in prompts:
+        if len(p) > ctx.max_model_len - room:
+            raise context_length_error(len(p), ctx.max_model_len, room)
+    return prompts
 
 
 def num_prompts(body: CompletionRequest) -> int:

@@ -25,7 +25,9 @@ from launcher.http_door import apply_http_door, http_door_refusal
 from launcher.limit_args import request_limits
 from launcher.lora_flags import lora_config, refuse_lora, runtime_lora_updating
 from launcher.models import ModelNotFoundError, resolve_model
+from launcher.pooling_flags import apply_pooling, pooling_refusal
 from launcher.ray_placement import RayPlan
+from launcher.serve_feature_args import profiler_routes_enabled
 from launcher.structured_outputs_flag import frontend_options, grammar_config
 from launcher.vllm_compat import apply_compat_flags, compat_refusal, take_model_flag
 from protocol.sockets import ipc_address, tcp_address
@@ -94,7 +96,12 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
     """The whole plan of `zserve serve ARGS`: refusals first, then the model's folders
     (building the default model if none is named), then the configs."""
     take_model_flag(args)
-    problem = refuse_unsupported(args) or compat_refusal(args) or http_door_refusal(args)
+    problem = (
+        refuse_unsupported(args)
+        or compat_refusal(args)
+        or http_door_refusal(args)
+        or pooling_refusal(args)
+    )
     if problem:
         raise LaunchRefused(problem)
     try:
@@ -129,6 +136,10 @@ def build_plan(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) -> 
         except GenerationConfigError as e:
             raise LaunchRefused(str(e)) from None
     engine = dataclasses.replace(engine_config(args, topology, model_dir, tokenizer_dir), lora=lora)
+    try:
+        engine = apply_pooling(args, engine, frontend)
+    except ValueError as e:
+        raise LaunchRefused(str(e)) from None
     if frontend is not None:
         frontend.system_fingerprint = system_fingerprint(args, engine, topology.data_parallel_size)
     return LaunchPlan(
@@ -302,17 +313,6 @@ def dev_routes_enabled(args: argparse.Namespace) -> bool:
             " with the API key" if (args.api_key or os.environ.get("ZSERVE_API_KEY")) else "",
         )
     return enabled
-
-
-def profiler_routes_enabled(args: argparse.Namespace) -> bool:
-    if args.profiler_config is None:
-        return False
-    log.warning(
-        "the profiler routes are on (--profiler-config): /start_profile and /stop_profile "
-        "write traces into %s; for development only",
-        args.profiler_config.torch_profiler_dir,
-    )
-    return True
 
 
 def _chat_template(flag: str | None) -> str | None:

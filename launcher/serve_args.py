@@ -21,6 +21,7 @@ from launcher.arg_types import (
 )
 from launcher.http_door import add_http_door_args
 from launcher.limit_args import add_limit_args
+from launcher.pooling_flags import add_pooling_args
 from launcher.serve_feature_args import (
     add_chat_feature_args,
     add_dev_args,
@@ -165,6 +166,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
 
     add_lora_args(p)
+    add_pooling_args(p)
 
     g = p.add_argument_group("OpenAI API")
     g.add_argument(

@@ -5,6 +5,7 @@ calls each where its group belongs in --help."""
 from __future__ import annotations
 
 import argparse
+import logging
 
 from launcher.arg_types import (
     lora_module,
@@ -14,6 +15,8 @@ from launcher.arg_types import (
     resource_map,
 )
 from launcher.structured_outputs_flag import parse_structured_outputs_config
+
+log = logging.getLogger("zserve.supervisor")
 
 
 def add_lora_args(p: argparse.ArgumentParser) -> None:
@@ -182,3 +185,14 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
         default=60.0,
         help="seconds Ray may take to reserve every engine's bundle before start-up fails",
     )
+
+
+def profiler_routes_enabled(args: argparse.Namespace) -> bool:
+    if args.profiler_config is None:
+        return False
+    log.warning(
+        "the profiler routes are on (--profiler-config): /start_profile and /stop_profile "
+        "write traces into %s; for development only",
+        args.profiler_config.torch_profiler_dir,
+    )
+    return True

@@ -3,10 +3,12 @@ the error-body check and small readers of /server_info and /metrics."""
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -183,3 +185,23 @@ def raw_exchange(server: ZServe, data: bytes, wait_s: float = 5.0) -> bytes:
                 break
             chunks.append(chunk)
     return b"".join(chunks)
+
+
+def rss(server: ZServe) -> dict[str, int]:
+    """Resident bytes of the API servers and engines (by process name), with the
+    tokenizer workers counted with the API servers they serve."""
+    sizes: dict[str, int] = {}
+    for pid in server.pids():
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        found = re.search(r"VmRSS:\s+(\d+)", status)
+        if found is None:  # exiting (a tokenizer worker being replaced)
+            continue
+        kib = int(found.group(1))
+        role = "tokenizers" if name == "zserve-tokenize" else name
+        if role.startswith(("zserve-api", "zserve-engine")) or role == "tokenizers":
+            sizes[role] = sizes.get(role, 0) + kib * 1024
+    return sizes

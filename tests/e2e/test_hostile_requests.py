@@ -6,7 +6,6 @@ else up: /health keeps answering and memory returns to where it was."""
 from __future__ import annotations
 
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -14,11 +13,10 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import pytest
-from e2e_http import MODEL, SERVED_NAMES, SMALL_KV, assert_error, raw_exchange, wait_for
+from e2e_http import MODEL, SERVED_NAMES, SMALL_KV, assert_error, raw_exchange, rss, wait_for
 from zserve_proc import ZServe
 
 pytestmark = pytest.mark.timeout(180)
@@ -55,26 +53,6 @@ def baseline(server, http) -> dict[str, int]:
         normal_completion(http)
     time.sleep(3)  # the engine releases a burst's memory once idle
     return rss(server)
-
-
-def rss(server: ZServe) -> dict[str, int]:
-    """Resident bytes of the API servers and engines (by process name), with the
-    tokenizer workers counted with the API servers they serve."""
-    sizes: dict[str, int] = {}
-    for pid in server.pids():
-        try:
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        found = re.search(r"VmRSS:\s+(\d+)", status)
-        if found is None:  # exiting (a tokenizer worker being replaced)
-            continue
-        kib = int(found.group(1))
-        role = "tokenizers" if name == "zserve-tokenize" else name
-        if role.startswith(("zserve-api", "zserve-engine")) or role == "tokenizers":
-            sizes[role] = sizes.get(role, 0) + kib * 1024
-    return sizes
 
 
 def normal_completion(http: httpx.Client) -> None:

@@ -1,0 +1,105 @@
+"""The bodies of POST /v1/embeddings and /pooling (--runner pooling), as vLLM takes them.
+
+`input` is a text, texts, token ids or lists of them; or, instead, a conversation in
+`messages` (or in `input`), or a list of conversations, rendered by the chat template.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from frontend.openai_models import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_CACHE_SALT_CHARS,
+    ChatMessage,
+    Prompt,
+    _Model,
+)
+
+
+class EmbeddingRequest(_Model):
+    model: str | None = None
+    input: Prompt | list[ChatMessage] | list[list[ChatMessage]] | None = None
+    messages: list[ChatMessage] | list[list[ChatMessage]] | None = None
+    encoding_format: Literal["float", "base64", "bytes", "bytes_only"] = "float"
+    # base64 and bytes only: the numbers' type and byte order (native: this host's).
+    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    endianness: Literal["native", "big", "little"] = "native"
+    dimensions: int | None = None  # Matryoshka models only (PoolingOptions)
+    use_activation: bool | None = None  # normalize; None: the server's default
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    default_truncation_side: ClassVar[str] = "right"  # vLLM's for pooling: the first tokens
+    add_special_tokens: bool | None = None  # None: true for input, false for messages
+    request_id: str | None = None
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)
+    # A conversation's rendering (as /v1/chat/completions', but no generation prompt).
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    # What every request's admission reads (request_inputs.read_inputs, serving.submit):
+    # one vector per input, nothing generated.
+    n: ClassVar[int] = 1
+    stop_strings: ClassVar[list[str]] = []
+    include_stop_str_in_output: ClassVar[bool] = False
+    skip_special_tokens: ClassVar[bool] = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_fields(cls, data):
+        if isinstance(data, dict) and "normalize" in data:
+            raise ValueError(
+                "normalize: Parameter `normalize` was removed; use `use_activation` instead."
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("input: give exactly one of input or messages")
+        if self.messages is None and _is_conversation(self.input):
+            self.messages, self.input = self.input, None
+        if self.messages == []:
+            raise ValueError("messages: may not be empty")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message: Cannot set both `continue_final_message` and "
+                "`add_generation_prompt` to True."
+            )
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError(
+                "cache_salt: Parameter 'cache_salt' must be a non-empty string if provided."
+            )
+        return self
+
+    @property
+    def conversations(self) -> list[list[ChatMessage]] | None:
+        """The conversations to embed (None: `input` holds prompts)."""
+        if self.messages is None:
+            return None
+        if isinstance(self.messages[0], list):
+            return self.messages
+        return [self.messages]
+
+
+class PoolingRequest(EmbeddingRequest):
+    """/pooling: the same, for the one task a pooling server here has (embed)."""
+
+    task: Literal["embed"] | None = None
+
+
+def _is_conversation(value) -> bool:
+    """`input` holding chat messages (or lists of them), as vLLM also takes them."""
+    if not isinstance(value, list) or not value:
+        return False
+    first = value[0]
+    if isinstance(first, list):
+        return bool(first) and isinstance(first[0], ChatMessage)
+    return isinstance(first, ChatMessage)
