@@ -13,6 +13,7 @@ same flags; each profile names the flags its cases need:
              /tokenize, /detokenize, /invocations and /load unless it is given
              --api-key-open-paths vllm: a deliberate difference)
     scale-out: --enable-scale-out   (render, generate, derender)
+    pooling: --runner pooling   (/v1/embeddings, /pooling)
 
     zserve bench parity --base-url-a http://127.0.0.1:8000 --base-url-b http://127.0.0.1:8001
     python -m benchmarks.parity --profile flags --api-key KEY --base-url-a … --base-url-b …

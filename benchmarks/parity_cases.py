@@ -324,4 +324,40 @@ SCALE_OUT: list[Case] = [
          {"generate_responses": [GENERATED]}, probe=lambda d: d["choices"][0]["text"]),
 ]  # fmt: skip
 
-PROFILES = {"default": DEFAULT, "flags": FLAGS, "scale-out": SCALE_OUT}
+EMBED = "/v1/embeddings"
+
+
+def _vectors(d: dict) -> list:
+    """Count, width and the usage of an embeddings answer, and each vector's first value
+    to two places (both pool the same bf16 hidden states; the last digits may differ)."""
+    key = "embedding" if d["data"][0]["object"] == "embedding" else "data"
+    vectors = [x[key] for x in d["data"]]
+    firsts = [round(v[0], 2) if isinstance(v, list) else len(v) for v in vectors]
+    return [len(vectors), len(vectors[0]), d["usage"]["prompt_tokens"], firsts]
+
+
+POOLING: list[Case] = [
+    Case("-", "texts", "POST", EMBED, {"input": ["hello world", "def f(x): return x"]},
+         probe=_vectors),
+    Case("-", "token ids", "POST", EMBED, {"input": [[1, 283, 80]]}, probe=_vectors),
+    Case("-", "a conversation", "POST", EMBED, {"messages": USER}, probe=_vectors),
+    Case("-", "base64", "POST", EMBED, {"input": "hi", "encoding_format": "base64"},
+         probe=_vectors),
+    Case("-", "float16 base64", "POST", EMBED,
+         {"input": "hi", "encoding_format": "base64", "embed_dtype": "float16"}, probe=_vectors),
+    Case("-", "truncation keeps the first tokens", "POST", EMBED,
+         {"input": [[1, 283, 80, 323]], "truncate_prompt_tokens": 2}, probe=_vectors),
+    Case("-", "unnormalized", "POST", EMBED, {"input": "hi", "use_activation": False},
+         probe=_vectors),
+    Case("-", "/pooling", "POST", "/pooling", {"input": "hi"}, probe=_vectors),
+    Case("-", "/invocations embeds", "POST", "/invocations", {"input": "hi"}, probe=_vectors),
+    Case("-", "no input is a 400", "POST", EMBED, {"input": []}),
+    Case("-", "dimensions without Matryoshka is a 400", "POST", EMBED,
+         {"input": "hi", "dimensions": 8}),
+    Case("-", "normalize is a 400", "POST", EMBED, {"input": "hi", "normalize": True}),
+    Case("-", "a token past the vocabulary is a 400", "POST", EMBED, {"input": [[99999]]}),
+    Case("-", "an input past the context is a 400", "POST", EMBED, {"input": [[1] * 2049]}),
+    Case("-", "completions are not served", "POST", C, {"prompt": "hi"}),
+]  # fmt: skip
+
+PROFILES = {"default": DEFAULT, "flags": FLAGS, "scale-out": SCALE_OUT, "pooling": POOLING}

@@ -20,6 +20,7 @@ from zserve_proc import ZServe
 
 from frontend.app import served_routes
 from frontend.config import FrontendConfig, PoolingOptions
+from launcher.tiny_lora import build_tiny_lora
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,8 +28,14 @@ TEXTS = ["hello world", "def foo(x):\n    return x", "a"]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model):
-    flags = ("--runner", "pooling", "--api-server-count", "2", "--enable-dev-routes")
+def adapter(tiny_model, tmp_path_factory):
+    return build_tiny_lora(tiny_model("llama"), tmp_path_factory.mktemp("lora") / "a", seed=1)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, adapter):
+    flags = ("--runner", "pooling", "--api-server-count", "2", "--enable-dev-routes",
+             "--enable-lora", "--lora-modules", f"a={adapter}")  # fmt: skip
     with ZServe(str(tiny_model("llama")), *SERVED_NAMES, *SMALL_KV, *flags) as s:
         yield s
         log = s.log()
@@ -262,3 +269,17 @@ def test_langchains_openai_embeddings(server, http, hidden):
     query = embeddings.embed_query(TEXTS[2])
     for vector, text in zip([*vectors, query], TEXTS):
         np.testing.assert_allclose(vector, unit(hidden(tokens(http, prompt=text))[-1]), atol=1e-4)
+
+
+def test_a_lora_adapter_embeds_as_its_merged_model(http, tiny_model, adapter, hidden):
+    from peft import PeftModel
+
+    prompt = [5, 6, 7, 8, 9]
+    merged = PeftModel.from_pretrained(reference_model(tiny_model("llama")), adapter)
+    with torch.no_grad():
+        states = merged.merge_and_unload().model(input_ids=torch.tensor([prompt]))
+    r = http.post("/v1/embeddings", json={"input": [prompt], "model": "a"}).json()
+    assert r["model"] == "a"
+    expected = unit(states.last_hidden_state[0, -1].numpy())
+    np.testing.assert_allclose(r["data"][0]["embedding"], expected, atol=1e-4)
+    assert np.abs(expected - unit(hidden(prompt)[-1])).max() > 0.1  # not the base model's
