@@ -238,7 +238,8 @@ ROUTES: tuple[RouteSpec, ...] = (
         task="generate",
     ),
     RouteSpec("/v1/embeddings", create_embedding, ("POST",), EmbeddingRequest, task="pool"),
-    RouteSpec("/pooling", create_pooling, ("POST",), PoolingRequest, task="pool"),
+    # vLLM's key guards /v1 only: /pooling is open there.
+    RouteSpec("/pooling", create_pooling, ("POST",), PoolingRequest, vllm_open=True, task="pool"),
     RouteSpec(
         "/invocations",
         invocations,

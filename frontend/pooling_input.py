@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from frontend.openai_models import (
     INT64_MAX,
@@ -22,7 +22,7 @@ from frontend.openai_models import (
 
 class EmbeddingRequest(_Model):
     model: str | None = None
-    input: Prompt | list[ChatMessage] | list[list[ChatMessage]] | None = None
+    input: Prompt | None = None
     messages: list[ChatMessage] | list[list[ChatMessage]] | None = None
     encoding_format: Literal["float", "base64", "bytes", "bytes_only"] = "float"
     # base64 and bytes only: the numbers' type and byte order (native: this host's).
@@ -51,21 +51,38 @@ class EmbeddingRequest(_Model):
     include_stop_str_in_output: ClassVar[bool] = False
     skip_special_tokens: ClassVar[bool] = True
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, value):
+        """One clear error for an input of no accepted shape (not the union's first)."""
+        if value is None or isinstance(value, str) or _one_of_the_shapes(value):
+            return value
+        raise ValueError(
+            "must be a text, a list of texts, a list of token ids, a list of such lists, or "
+            "chat messages (or a list of conversations)"
+        )
+
     @model_validator(mode="before")
     @classmethod
     def _removed_fields(cls, data):
-        if isinstance(data, dict) and "normalize" in data:
+        if not isinstance(data, dict):
+            return data
+        if "normalize" in data:
             raise ValueError(
                 "normalize: Parameter `normalize` was removed; use `use_activation` instead."
             )
+        value = data.get("input")
+        if "messages" not in data and isinstance(value, list) and value:
+            first = value[0][0] if isinstance(value[0], list) and value[0] else value[0]
+            if isinstance(first, dict):  # a conversation (or several) given as `input`
+                data = {**data, "messages": value}
+                del data["input"]
         return data
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.input is None) == (self.messages is None):
             raise ValueError("input: give exactly one of input or messages")
-        if self.messages is None and _is_conversation(self.input):
-            self.messages, self.input = self.input, None
         if self.messages == []:
             raise ValueError("messages: may not be empty")
         if self.continue_final_message and self.add_generation_prompt:
@@ -95,11 +112,23 @@ class PoolingRequest(EmbeddingRequest):
     task: Literal["embed"] | None = None
 
 
-def _is_conversation(value) -> bool:
-    """`input` holding chat messages (or lists of them), as vLLM also takes them."""
+def _one_of_the_shapes(value) -> bool:
     if not isinstance(value, list) or not value:
+        return isinstance(value, list)  # [] is refused later, with vLLM's words
+    kinds = {_kind(x) for x in value}
+    if len(kinds) != 1:
         return False
-    first = value[0]
-    if isinstance(first, list):
-        return bool(first) and isinstance(first[0], ChatMessage)
-    return isinstance(first, ChatMessage)
+    (kind,) = kinds
+    if kind == "list":
+        inner = {_kind(y) for x in value for y in x}
+        return inner <= {"int"}
+    return kind in ("str", "int")
+
+
+def _kind(x) -> str:
+    if isinstance(x, bool):
+        return "bool"
+    for name, t in (("str", str), ("int", int), ("list", list)):
+        if isinstance(x, t):
+            return name
+    return "other"

@@ -166,6 +166,9 @@ def test_refusals_name_the_field(http):
         ({"input": "x", "encoding_format": "hex"}, "body.encoding_format", "'bytes_only'"),
         ({"input": "x", "task": "classify"}, "body.task", "'embed'"),
         ({"messages": [[]]}, "messages", "conversation may not be empty"),
+        ({"input": 5}, "body.input", "a list of token ids"),
+        ({"input": [[1, 2], "a"]}, "body.input", "a list of such lists"),
+        ({"input": [{"content": "a"}]}, "body.messages.0.role", "Field required"),
     ]
     for body, param, text in cases:
         path = "/pooling" if "task" in body else "/v1/embeddings"

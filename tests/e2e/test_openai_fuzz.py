@@ -8,9 +8,10 @@ import json
 
 import httpx
 import pytest
-from e2e_http import MODEL, assert_error_body, parse_named_sse, parse_sse
+from e2e_http import MODEL, SERVED_NAMES, SMALL_KV, assert_error_body, parse_named_sse, parse_sse
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from zserve_proc import ZServe
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -387,6 +388,76 @@ def test_known_fields_with_any_values_get_an_answer_that_is_not_a_5xx(fuzz_http,
 )
 def test_malformed_bodies_get_an_answer_that_is_not_a_5xx(fuzz_http, route, content, content_type):
     check(fuzz_http, route, content, content_type)
+
+
+# --- a pooling server (--runner pooling): /v1/embeddings and /pooling -------------------
+
+POOLING_ROUTES = ["/v1/embeddings", "/pooling", "/invocations"]
+POOLING_FIELDS: dict[str, st.SearchStrategy] = {
+    "model": FIELDS["model"],
+    "input": FIELDS["prompt"] | st.lists(MESSAGE, max_size=3) | st.lists(st.lists(MESSAGE)),
+    "messages": FIELDS["messages"] | st.lists(st.lists(MESSAGE, max_size=2), max_size=2),
+    "encoding_format": st.sampled_from(["float", "base64", "bytes", "bytes_only", "x"]),
+    "embed_dtype": st.sampled_from(["float32", "float16", "bfloat16", "fp8_e4m3"]),
+    "endianness": st.sampled_from(["native", "big", "little", "middle"]),
+    "dimensions": st.integers(min_value=-2, max_value=70),
+    "use_activation": st.booleans(),
+    "normalize": st.booleans(),
+    "task": st.sampled_from(["embed", "classify", "token_embed"]),
+    "truncation_side": st.sampled_from(["left", "right", "up"]),
+    **{
+        name: FIELDS[name]
+        for name in (
+            "truncate_prompt_tokens", "add_special_tokens", "add_generation_prompt",
+            "continue_final_message", "chat_template", "chat_template_kwargs", "priority",
+            "request_id",
+        )
+    },
+    "cache_salt": st.text(max_size=8) | LEAF,
+}  # fmt: skip
+
+
+@st.composite
+def pooling_bodies(draw) -> tuple[str, dict]:
+    route = draw(st.sampled_from(POOLING_ROUTES))
+    body = {"input": "hi"} if draw(st.integers(0, 3)) else {}
+    wild = draw(st.booleans())
+    names = draw(st.lists(st.sampled_from(sorted(POOLING_FIELDS)), max_size=5, unique=True))
+    if draw(st.booleans()):  # the output's form, as one group: each combination is its path
+        names = [n for n in names if n not in _FORMAT] + list(_FORMAT)
+    for name in names:
+        body[name] = draw(POOLING_FIELDS[name] | EDGE | JSON if wild else POOLING_FIELDS[name])
+    return route, body
+
+
+_FORMAT = ("encoding_format", "embed_dtype", "endianness")
+
+
+@pytest.fixture(scope="module")
+def pooling_http(tiny_model):
+    with ZServe(str(tiny_model("llama")), *SERVED_NAMES, *SMALL_KV, "--runner", "pooling") as s:
+        with httpx.Client(base_url=s.base_url, timeout=60) as c:
+            yield c
+        assert httpx.get(s.base_url + "/health", timeout=10).status_code == 200
+        r = httpx.post(s.base_url + "/v1/embeddings", json={"input": "hello"}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["data"]) == 1
+        log = s.log()
+    assert "Traceback" not in log, log[-4000:]
+
+
+@settings(max_examples=600, **SETTINGS)
+@given(case=pooling_bodies())
+@example(case=("/v1/embeddings", {"input": [[1, 2]], "encoding_format": "bytes"}))
+def test_a_pooling_servers_routes_never_answer_a_5xx(pooling_http, case):
+    route, body = case
+    r = pooling_http.post(route, json=body)
+    assert r.status_code < 500, (route, body, r.status_code, r.text[:500])
+    if r.status_code >= 400:
+        check_error(route, r)
+    elif r.headers["content-type"] == "application/octet-stream":
+        assert len(r.content) % 2 == 0 and r.content
+    else:
+        assert r.json()["object"] == "list" and r.json()["data"]
 
 
 # --- every route, and the headers ---------------------------------------------------------
