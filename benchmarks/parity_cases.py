@@ -358,6 +358,22 @@ POOLING: list[Case] = [
     Case("-", "a token past the vocabulary is a 400", "POST", EMBED, {"input": [[99999]]}),
     Case("-", "an input past the context is a 400", "POST", EMBED, {"input": [[1] * 2049]}),
     Case("-", "completions are not served", "POST", C, {"prompt": "hi"}),
+    Case("-", "score 1:N", "POST", "/score",
+         {"queries": "what is python", "documents": ["python is a language", "snakes"]},
+         probe=lambda d: [d["usage"]["prompt_tokens"], [round(x["score"], 2) for x in d["data"]]]),
+    Case("-", "score N:N, text_1/text_2", "POST", "/v1/score",
+         {"text_1": ["a", "b"], "text_2": ["c", "d"]},
+         probe=lambda d: [round(x["score"], 2) for x in d["data"]]),
+    Case("-", "score with max_tokens_per_doc", "POST", "/score",
+         {"queries": "hello world", "documents": "hello there world", "max_tokens_per_doc": 2},
+         probe=lambda d: d["usage"]["prompt_tokens"]),
+    Case("-", "rerank, top_n", "POST", "/rerank",
+         {"query": "what is python", "documents": ["snakes", "python is a language", "x"],
+          "top_n": 2}, probe=lambda d: [r["index"] for r in d["results"]]),
+    Case("-", "score 2:3 is a 400", "POST", "/score",
+         {"data_1": ["a", "b"], "data_2": ["c", "d", "e"]}),
+    Case("-", "score without documents is a 400", "POST", "/score",
+         {"queries": "a", "documents": []}),
 ]  # fmt: skip
 
 PROFILES = {"default": DEFAULT, "flags": FLAGS, "scale-out": SCALE_OUT, "pooling": POOLING}

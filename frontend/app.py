@@ -38,7 +38,7 @@ from frontend.openai_models import (
     UnloadLoRAAdapterRequest,
 )
 from frontend.openapi import build_openapi
-from frontend.pooling_input import EmbeddingRequest, PoolingRequest
+from frontend.pooling_input import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
 from frontend.request_inputs import ClientDisconnected, json_body
 from frontend.responses import json_response
 from frontend.responses_input import ResponsesRequest
@@ -64,6 +64,7 @@ from frontend.serving_render import (
     render_responses,
 )
 from frontend.serving_responses import create_response, stored_response
+from frontend.serving_scores import create_rerank, create_score
 from frontend.serving_tokens import detokenize, tokenize, tokenizer_info
 
 VERSION = "0.1.0"
@@ -238,8 +239,18 @@ ROUTES: tuple[RouteSpec, ...] = (
         task="generate",
     ),
     RouteSpec("/v1/embeddings", create_embedding, ("POST",), EmbeddingRequest, task="pool"),
-    # vLLM's key guards /v1 only: /pooling is open there.
+    # vLLM's key guards /v1 only: /pooling, /score, /rerank and /v2/rerank are open there.
     RouteSpec("/pooling", create_pooling, ("POST",), PoolingRequest, vllm_open=True, task="pool"),
+    *(
+        RouteSpec(path, handler, ("POST",), body, vllm_open=not path.startswith("/v1"), task="pool")
+        for path, handler, body in (
+            ("/score", create_score, ScoreRequest),
+            ("/v1/score", create_score, ScoreRequest),
+            ("/rerank", create_rerank, RerankRequest),
+            ("/v1/rerank", create_rerank, RerankRequest),
+            ("/v2/rerank", create_rerank, RerankRequest),
+        )
+    ),
     RouteSpec(
         "/invocations",
         invocations,

@@ -20,29 +20,18 @@ from frontend.openai_models import (
 )
 
 
-class EmbeddingRequest(_Model):
+class PoolingFields(_Model):
+    """What every pooling route's body has (vLLM's pooling request fields)."""
+
     model: str | None = None
-    input: Prompt | None = None
-    messages: list[ChatMessage] | list[list[ChatMessage]] | None = None
-    encoding_format: Literal["float", "base64", "bytes", "bytes_only"] = "float"
-    # base64 and bytes only: the numbers' type and byte order (native: this host's).
-    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    endianness: Literal["native", "big", "little"] = "native"
-    dimensions: int | None = None  # Matryoshka models only (PoolingOptions)
-    use_activation: bool | None = None  # normalize; None: the server's default
     user: str | None = None
+    use_activation: bool | None = None  # embeddings: normalize; None: the server's default
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
     default_truncation_side: ClassVar[str] = "right"  # vLLM's for pooling: the first tokens
-    add_special_tokens: bool | None = None  # None: true for input, false for messages
     request_id: str | None = None
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)
-    # A conversation's rendering (as /v1/chat/completions', but no generation prompt).
-    add_generation_prompt: bool = False
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
 
     # What every request's admission reads (request_inputs.read_inputs, serving.submit):
     # one vector per input, nothing generated.
@@ -50,6 +39,30 @@ class EmbeddingRequest(_Model):
     stop_strings: ClassVar[list[str]] = []
     include_stop_str_in_output: ClassVar[bool] = False
     skip_special_tokens: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _salt(self):
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError(
+                "cache_salt: Parameter 'cache_salt' must be a non-empty string if provided."
+            )
+        return self
+
+
+class EmbeddingRequest(PoolingFields):
+    input: Prompt | None = None
+    messages: list[ChatMessage] | list[list[ChatMessage]] | None = None
+    encoding_format: Literal["float", "base64", "bytes", "bytes_only"] = "float"
+    # base64 and bytes only: the numbers' type and byte order (native: this host's).
+    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    endianness: Literal["native", "big", "little"] = "native"
+    dimensions: int | None = None  # Matryoshka models only (PoolingOptions)
+    add_special_tokens: bool | None = None  # None: true for input, false for messages
+    # A conversation's rendering (as /v1/chat/completions', but no generation prompt).
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -90,10 +103,6 @@ class EmbeddingRequest(_Model):
                 "continue_final_message: Cannot set both `continue_final_message` and "
                 "`add_generation_prompt` to True."
             )
-        if self.cache_salt is not None and not self.cache_salt:
-            raise ValueError(
-                "cache_salt: Parameter 'cache_salt' must be a non-empty string if provided."
-            )
         return self
 
     @property
@@ -110,6 +119,89 @@ class PoolingRequest(EmbeddingRequest):
     """/pooling: the same, for the one task a pooling server here has (embed)."""
 
     task: Literal["embed"] | None = None
+
+
+# --- /score and /rerank: the cosine of two embeddings (vLLM's bi-encoder scoring) -------
+
+ScoreInput = str | list[str]
+
+
+class ScoringFields(PoolingFields):
+    """Texts are cut to their first max_tokens_per_query / _doc tokens (0: not cut)."""
+
+    max_tokens_per_query: int = Field(0, ge=0)
+    max_tokens_per_doc: int = Field(0, ge=0)
+    # A cross-encoder's template fields: an embedding model's scores take none (as vLLM's).
+    instruction: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _text_only(cls, value, info):
+        if info.field_name in _SCORED and _has_content(value):
+            raise ValueError("multimodal content is not supported: this model takes text only")
+        return value
+
+
+class ScoreRequest(ScoringFields):
+    """/score: queries (one, or one per document) against documents, under any of
+    vLLM's names for the two sides."""
+
+    queries: ScoreInput | None = None
+    documents: ScoreInput | None = None
+    items: ScoreInput | None = None
+    data_1: ScoreInput | None = None
+    data_2: ScoreInput | None = None
+    text_1: ScoreInput | None = None
+    text_2: ScoreInput | None = None
+
+    @model_validator(mode="after")
+    def _one_pair(self):
+        pairs = self._pairs()
+        given = {f for f in _SCORED if getattr(self, f, None) is not None}
+        if len(pairs) != 1 or given != set(pairs[0]):
+            raise ValueError(
+                "queries: give one pair of sides: queries and documents (or items), data_1 "
+                "and data_2, or text_1 and text_2"
+            )
+        return self
+
+    def _pairs(self) -> list[tuple[str, str]]:
+        return [
+            (a, b)
+            for a, b in _PAIRS
+            if getattr(self, a) is not None and getattr(self, b) is not None
+        ]
+
+    @property
+    def sides(self) -> tuple[str, str]:
+        """The names of the two sides the client used."""
+        return self._pairs()[0]
+
+
+class RerankRequest(ScoringFields):
+    query: str
+    documents: ScoreInput
+    top_n: int = Field(0, ge=0)  # 0: every document
+
+    @property
+    def sides(self) -> tuple[str, str]:
+        return ("query", "documents")
+
+
+_PAIRS = (
+    ("queries", "documents"),
+    ("queries", "items"),
+    ("data_1", "data_2"),
+    ("text_1", "text_2"),
+)
+_SCORED = ("queries", "documents", "items", "data_1", "data_2", "text_1", "text_2", "query")
+
+
+def _has_content(value) -> bool:
+    """vLLM's multimodal score input: {"content": [...]}, alone or in a list."""
+    items = value if isinstance(value, list) else [value]
+    return any(isinstance(x, dict) for x in items)
 
 
 def _one_of_the_shapes(value) -> bool:

@@ -194,7 +194,7 @@ def validation_error(e: ValidationError) -> APIError:
 
 _RANGE_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
 # Fields whose range vLLM's request models declare (so FastAPI names them body.<field>).
-_VLLM_RANGED_FIELDS = frozenset({"seed", "priority", "truncate_prompt_tokens", "prompt"})
+_VLLM_RANGED_FIELDS = frozenset({"seed", "priority", "truncate_prompt_tokens", "prompt", "top_n"})
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|function-.*|constrained-.*)$")

@@ -15,7 +15,7 @@ from starlette.responses import Response
 from frontend.chat_prompt import render_messages
 from frontend.errors import APIError
 from frontend.pooling_input import EmbeddingRequest, PoolingRequest
-from frontend.request_inputs import read_inputs
+from frontend.request_inputs import RequestInputs, read_inputs
 from frontend.responses import generation_headers, json_response, run_unless_disconnected
 from frontend.sampling import truncation
 from frontend.serving import ServingContext
@@ -51,14 +51,8 @@ async def _pool(
         dimensions=_dimensions(ctx, body.dimensions),
     )
     prompts = await input_token_ids(ctx, body)
-    generation = ctx.submit(inputs, prompts, [_NOTHING_SAMPLED] * len(prompts), pooling=params)
-    headers = generation_headers(ctx, generation)
-    try:
-        await run_unless_disconnected(request, generation.drain)
-    finally:
-        ctx.finish(generation)
-    vectors = [np.frombuffer(c.pooled, dtype="<f4") for c in generation.choices]
-    num_tokens = generation.num_prompt_tokens
+    vectors, headers = await pool(ctx, request, inputs, prompts, params)
+    num_tokens = sum(map(len, prompts))
     id_ = f"{id_prefix}-{inputs.request_id}"
     created = int(time.time())
     if body.encoding_format in ("bytes", "bytes_only"):
@@ -79,16 +73,38 @@ async def _pool(
             "created": created,
             "model": inputs.model,
             "data": [{"index": i, "object": kind, key: encode(v)} for i, v in enumerate(vectors)],
-            "usage": {
-                "prompt_tokens": num_tokens,
-                "total_tokens": num_tokens,
-                "completion_tokens": 0,
-                "prompt_tokens_details": None,
-                "completion_tokens_details": None,
-            },
+            "usage": usage(num_tokens),
         },
         headers,
     )
+
+
+async def pool(
+    ctx: ServingContext,
+    request: Request,
+    inputs: RequestInputs,
+    prompts: list[list[int]],
+    params: PoolingParams,
+) -> tuple[list[np.ndarray], dict[str, str]]:
+    """Each prompt's vector from the engines (float32), and the response's headers."""
+    generation = ctx.submit(inputs, prompts, [_NOTHING_SAMPLED] * len(prompts), pooling=params)
+    headers = generation_headers(ctx, generation)
+    try:
+        await run_unless_disconnected(request, generation.drain)
+    finally:
+        ctx.finish(generation)
+    return [np.frombuffer(c.pooled, dtype="<f4") for c in generation.choices], headers
+
+
+def usage(num_tokens: int) -> dict:
+    """vLLM's usage of a pooling answer: every input token, nothing generated."""
+    return {
+        "prompt_tokens": num_tokens,
+        "total_tokens": num_tokens,
+        "completion_tokens": 0,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
 
 
 def num_inputs(body: EmbeddingRequest) -> int:

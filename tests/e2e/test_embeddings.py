@@ -214,6 +214,21 @@ def test_a_maximal_request_leaves_health_up_and_memory_bounded(server, http):
     assert r.status_code == 200 and len(r.json()["data"]) == 1024
     assert r.json()["usage"]["prompt_tokens"] == 1024 * MAX_MODEL_LEN
     assert slowest < 5.0, slowest
+    # The most a score may tokenize: 1024 texts filling the body, each cut to 4 tokens.
+    text = "word " * 1600
+    body = {"queries": text, "documents": [text] * 1023, "max_tokens_per_doc": 4,
+            "max_tokens_per_query": 4}  # fmt: skip
+    answers.clear()
+    worker = threading.Thread(target=lambda: answers.append(http.post("/score", json=body)))
+    worker.start()
+    while worker.is_alive():
+        start = time.monotonic()
+        assert http.get("/health").status_code == 200
+        slowest = max(slowest, time.monotonic() - start)
+        time.sleep(0.2)
+    worker.join()
+    assert answers[0].status_code == 200 and len(answers[0].json()["data"]) == 1023
+    assert slowest < 5.0, slowest
     stats = httpx.get(server.base_url + "/server_info").json()["engines"][0]["stats"]
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     limit = 50 * 1000 * 1000
@@ -286,3 +301,73 @@ def test_a_lora_adapter_embeds_as_its_merged_model(http, tiny_model, adapter, hi
     expected = unit(states.last_hidden_state[0, -1].numpy())
     np.testing.assert_allclose(r["data"][0]["embedding"], expected, atol=1e-4)
     assert np.abs(expected - unit(hidden(prompt)[-1])).max() > 0.1  # not the base model's
+
+
+# --- /score and /rerank: the cosine of two embeddings ------------------------------------
+
+
+def test_scores_are_the_cosines_of_transformers_vectors(http, hidden):
+    query, docs = "what is python", ["python is a language", "snakes", "def f(): pass"]
+    vector = {t: unit(hidden(tokens(http, prompt=t))[-1]) for t in [query, *docs]}
+    expected = [float(vector[query] @ vector[d]) for d in docs]
+    num_tokens = sum(len(tokens(http, prompt=t)) for t in [query, *docs])
+    for path, body in (
+        ("/score", {"queries": query, "documents": docs}),
+        ("/v1/score", {"text_1": query, "text_2": docs}),
+        ("/score", {"data_1": [query], "data_2": docs}),
+        ("/score", {"queries": query, "items": docs}),
+    ):
+        r = http.post(path, json=body).json()
+        assert r["id"].startswith("score-") and r["object"] == "list"
+        assert [d["index"] for d in r["data"]] == [0, 1, 2]
+        np.testing.assert_allclose([d["score"] for d in r["data"]], expected, atol=1e-4)
+        assert r["usage"]["prompt_tokens"] == num_tokens  # each text embedded once
+    # N:N pairs the i-th with the i-th.
+    pairs = http.post("/score", json={"queries": docs[:2], "documents": docs[1:]}).json()
+    np.testing.assert_allclose(
+        [d["score"] for d in pairs["data"]],
+        [vector[docs[0]] @ vector[docs[1]], vector[docs[1]] @ vector[docs[2]]],
+        atol=1e-4,
+    )
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        r = http.post(path, json={"query": query, "documents": docs, "top_n": 2}).json()
+        order = sorted(range(3), key=lambda i: -expected[i])[:2]
+        assert [x["index"] for x in r["results"]] == order
+        assert [x["document"]["text"] for x in r["results"]] == [docs[i] for i in order]
+        np.testing.assert_allclose(
+            [x["relevance_score"] for x in r["results"]], [expected[i] for i in order], atol=1e-4
+        )
+        assert r["usage"] == {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+    everything = http.post("/rerank", json={"query": query, "documents": docs}).json()
+    assert len(everything["results"]) == 3
+
+
+def test_scores_cut_texts_to_their_first_tokens(http, hidden):
+    query, doc = "hello world and more", "hello there world and more"
+    body = {"queries": query, "documents": doc, "max_tokens_per_query": 2, "max_tokens_per_doc": 3}
+    r = http.post("/score", json=body).json()
+    q = tokens(http, prompt=query, add_special_tokens=False)[:2]
+    d = tokens(http, prompt=doc, add_special_tokens=False)[:3]
+    bos = tokens(http, prompt="")  # the special tokens the tokenizer adds (BOS)
+    expected = unit(hidden(bos + q)[-1]) @ unit(hidden(bos + d)[-1])
+    assert abs(r["data"][0]["score"] - expected) < 1e-4
+    assert r["usage"]["prompt_tokens"] == 2 * len(bos) + 5
+
+
+def test_score_refusals_name_the_field(http):
+    cases = [
+        ("/score", {"data_1": ["a", "b"], "data_2": ["c", "d", "e"]}, "data_1", "1:1, 1:N or N:N"),
+        ("/score", {"queries": "a", "documents": []}, "documents", "At least one"),
+        ("/score", {"queries": [], "documents": "a"}, "queries", "At least one"),
+        ("/score", {"queries": "a"}, "queries", "give one pair of sides"),
+        ("/score", {"queries": "a", "documents": "b", "text_2": "c"}, "queries", "one pair"),
+        ("/score", {"queries": {"content": []}, "documents": "b"}, "body.queries", "multimodal"),
+        ("/score", {"queries": "a", "documents": "b", "max_tokens_per_doc": MAX_MODEL_LEN},
+         "max_tokens_per_doc", "less than max_model_len"),
+        ("/score", {"queries": "a", "documents": ["b"] * 1024}, "documents",
+         "--max-prompts-per-request"),
+        ("/rerank", {"documents": ["a"]}, "body.query", "Field required"),
+        ("/rerank", {"query": "a", "documents": "b", "top_n": -1}, "body.top_n", "greater than"),
+    ]  # fmt: skip
+    for path, body, param, text in cases:
+        assert_error(http.post(path, json=body), 400, param, [text])

@@ -392,7 +392,8 @@ def test_malformed_bodies_get_an_answer_that_is_not_a_5xx(fuzz_http, route, cont
 
 # --- a pooling server (--runner pooling): /v1/embeddings and /pooling -------------------
 
-POOLING_ROUTES = ["/v1/embeddings", "/pooling", "/invocations"]
+POOLING_ROUTES = ["/v1/embeddings", "/pooling", "/invocations", "/score", "/rerank"]
+TEXTS = st.text(max_size=30) | st.lists(st.text(max_size=20), max_size=4)
 POOLING_FIELDS: dict[str, st.SearchStrategy] = {
     "model": FIELDS["model"],
     "input": FIELDS["prompt"] | st.lists(MESSAGE, max_size=3) | st.lists(st.lists(MESSAGE)),
@@ -414,13 +415,20 @@ POOLING_FIELDS: dict[str, st.SearchStrategy] = {
         )
     },
     "cache_salt": st.text(max_size=8) | LEAF,
+    # /score and /rerank
+    **dict.fromkeys(["queries", "documents", "items", "data_1", "data_2", "text_1", "text_2"], TEXTS),
+    "query": st.text(max_size=30),
+    "top_n": st.integers(min_value=-1, max_value=5),
+    "max_tokens_per_query": st.integers(min_value=-1, max_value=1100),
+    "max_tokens_per_doc": st.integers(min_value=-1, max_value=1100),
+    "instruction": st.text(max_size=10),
 }  # fmt: skip
 
 
 @st.composite
 def pooling_bodies(draw) -> tuple[str, dict]:
     route = draw(st.sampled_from(POOLING_ROUTES))
-    body = {"input": "hi"} if draw(st.integers(0, 3)) else {}
+    body = dict(POOLING_BASES[route]) if draw(st.integers(0, 3)) else {}
     wild = draw(st.booleans())
     names = draw(st.lists(st.sampled_from(sorted(POOLING_FIELDS)), max_size=5, unique=True))
     if draw(st.booleans()):  # the output's form, as one group: each combination is its path
@@ -431,6 +439,13 @@ def pooling_bodies(draw) -> tuple[str, dict]:
 
 
 _FORMAT = ("encoding_format", "embed_dtype", "endianness")
+POOLING_BASES = {
+    "/v1/embeddings": {"input": "hi"},
+    "/pooling": {"input": "hi"},
+    "/invocations": {"input": "hi"},
+    "/score": {"queries": "hi", "documents": ["a", "b"]},
+    "/rerank": {"query": "hi", "documents": ["a", "b"]},
+}
 
 
 @pytest.fixture(scope="module")
@@ -456,6 +471,8 @@ def test_a_pooling_servers_routes_never_answer_a_5xx(pooling_http, case):
         check_error(route, r)
     elif r.headers["content-type"] == "application/octet-stream":
         assert len(r.content) % 2 == 0 and r.content
+    elif route == "/rerank":
+        assert r.json()["results"]
     else:
         assert r.json()["object"] == "list" and r.json()["data"]
 
