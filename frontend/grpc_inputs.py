@@ -21,6 +21,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from frontend.errors import APIError
 from frontend.limits import check_fan_out, check_request_id, check_stop_strings
 from frontend.openai_models import SamplingFields
+from frontend.pooling_input import PoolingFields
 from frontend.request_inputs import RequestInputs, validation_error
 from frontend.sampling import check_token_ids, context_length_error, sampling_params, truncation
 from frontend.structured_outputs import constraint
@@ -213,3 +214,28 @@ def output_constraint(ctx: ServingContext, sp: pb.SamplingParams) -> StructuredO
     return constraint(
         _CONSTRAINTS[kind], value, f"sampling_params.{kind}", ctx.config.structured_outputs
     )
+
+
+async def read_embed(
+    ctx: ServingContext, request: pb.EmbedRequest, metadata=()
+) -> tuple[RequestInputs, list[int]]:
+    """An Embed request's inputs and prompt: its token ids (or, without them, its text
+    tokenized here), within the vocabulary and the context."""
+    ctx.preflight()
+    if request.request_id:
+        check_request_id(request.request_id, "request_id", ctx.limits)
+    tokenized = request.tokenized
+    if tokenized.input_ids:
+        prompt = list(tokenized.input_ids)
+        check_token_ids(prompt, ctx.vocab_size, "tokenized.input_ids")
+        if len(prompt) > ctx.max_model_len:
+            raise context_length_error(len(prompt), ctx.max_model_len, room=0)
+    elif tokenized.original_text:
+        ctx.check_text_length(tokenized.original_text, "tokenized.original_text")
+        prompt = await ctx.encode(tokenized.original_text, True, room=0)
+    else:
+        raise APIError("tokenized.input_ids: give the input's token ids", param="tokenized")
+    request_id = request.request_id or uuid.uuid4().hex
+    traced = trace_headers(dict(metadata)) if ctx.tracer is not None else None
+    body = PoolingFields()
+    return RequestInputs(body, ctx.model_name, request_id, 0, None, trace_headers=traced), prompt

@@ -23,10 +23,12 @@ from frontend import engine_actions
 from frontend.admission import AdmissionRejected
 from frontend.errors import APIError
 from frontend.generation import Generation
-from frontend.grpc_inputs import check_rank, read_generate
+from frontend.grpc_inputs import check_rank, read_embed, read_generate
 from frontend.grpc_outputs import final_responses, stream_responses
 from frontend.serving import ServingContext
+from frontend.serving_pooling import pool
 from frontend.tokenizer_bundle import TokenizerBundle
+from protocol.messages import PoolingParams
 
 log = logging.getLogger("zserve.grpc")
 
@@ -87,6 +89,11 @@ class EngineService(VllmEngineServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         ctx = self.ctx
+        if ctx.config.pooling is not None:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "Generate: this server embeds (--runner pooling); use Embed",
+            )
         self.last_receive = time.time()
         ctx.in_flight += 1
         generation = None
@@ -149,11 +156,36 @@ class EngineService(VllmEngineServicer):
                 generation.cancel()
         return pb.AbortResponse()
 
-    async def Embed(self, request, context: grpc.aio.ServicerContext):
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "Embed: this server serves generative models only; embeddings are not supported",
-        )
+    async def Embed(
+        self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmbedResponse:
+        """One input's pooled vector (--runner pooling), as /v1/embeddings answers it."""
+        ctx = self.ctx
+        if ctx.config.pooling is None:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "Embed: this server generates; start it with --runner pooling to embed",
+            )
+        self.last_receive = time.time()
+        ctx.in_flight += 1
+        try:
+            inputs, prompt = await read_embed(ctx, request, context.invocation_metadata() or ())
+            params = PoolingParams(normalize=ctx.config.pooling.normalize)
+            vectors, _ = await pool(ctx, inputs, [prompt], params)
+            return pb.EmbedResponse(
+                embedding=vectors[0].tolist(),
+                prompt_tokens=len(prompt),
+                embedding_dim=len(vectors[0]),
+            )
+        except APIError as e:
+            await context.abort(status_of(e), details_of(e))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception:
+            log.exception("internal error in Embed (request id %s)", request.request_id[:256])
+            await context.abort(grpc.StatusCode.INTERNAL, "internal server error")
+        finally:
+            ctx.in_flight -= 1
 
     # --- state ----------------------------------------------------------------------------
 
@@ -180,7 +212,7 @@ class EngineService(VllmEngineServicer):
         tokenizer = ctx.renderer.tokenizer
         return pb.GetModelInfoResponse(
             model_path=ctx.model_name,  # never the model's path on this machine
-            is_generation=True,
+            is_generation=ctx.config.pooling is None,
             max_context_length=ctx.max_model_len,
             vocab_size=ctx.vocab_size,
             supports_vision=False,
@@ -190,7 +222,7 @@ class EngineService(VllmEngineServicer):
             eos_token_ids=ready.eos_token_ids,
             pad_token_id=_token_id(ready.pad_token_id, tokenizer.pad_token_id),
             bos_token_id=_token_id(ready.bos_token_id, tokenizer.bos_token_id),
-            max_req_input_len=ctx.max_model_len - 1,
+            max_req_input_len=ctx.max_model_len - (ctx.config.pooling is None),
             default_sampling_params_json=json.dumps(ctx.defaults) if ctx.defaults else "",
         )
 

@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from frontend.chat_prompt import render_messages
 from frontend.errors import APIError
+from frontend.generation import Generation
 from frontend.pooling_input import EmbeddingRequest, PoolingRequest
 from frontend.request_inputs import RequestInputs, read_inputs
 from frontend.responses import generation_headers, json_response, run_unless_disconnected
@@ -51,7 +52,8 @@ async def _pool(
         dimensions=_dimensions(ctx, body.dimensions),
     )
     prompts = await input_token_ids(ctx, body)
-    vectors, headers = await pool(ctx, request, inputs, prompts, params)
+    vectors, generation = await pool(ctx, inputs, prompts, params, request)
+    headers = generation_headers(ctx, generation)
     num_tokens = sum(map(len, prompts))
     id_ = f"{id_prefix}-{inputs.request_id}"
     created = int(time.time())
@@ -81,19 +83,22 @@ async def _pool(
 
 async def pool(
     ctx: ServingContext,
-    request: Request,
     inputs: RequestInputs,
     prompts: list[list[int]],
     params: PoolingParams,
-) -> tuple[list[np.ndarray], dict[str, str]]:
-    """Each prompt's vector from the engines (float32), and the response's headers."""
+    request: Request | None = None,
+) -> tuple[list[np.ndarray], Generation]:
+    """Each prompt's vector from the engines (float32). The HTTP `request`'s client
+    going away aborts them (a gRPC caller's cancellation does by itself)."""
     generation = ctx.submit(inputs, prompts, [_NOTHING_SAMPLED] * len(prompts), pooling=params)
-    headers = generation_headers(ctx, generation)
     try:
-        await run_unless_disconnected(request, generation.drain)
+        if request is None:
+            await generation.drain()
+        else:
+            await run_unless_disconnected(request, generation.drain)
     finally:
         ctx.finish(generation)
-    return [np.frombuffer(c.pooled, dtype="<f4") for c in generation.choices], headers
+    return [np.frombuffer(c.pooled, dtype="<f4") for c in generation.choices], generation
 
 
 def usage(num_tokens: int) -> dict:

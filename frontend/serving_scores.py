@@ -14,7 +14,7 @@ from starlette.responses import Response
 from frontend.errors import APIError
 from frontend.pooling_input import RerankRequest, ScoreRequest, ScoringFields
 from frontend.request_inputs import read_inputs
-from frontend.responses import json_response
+from frontend.responses import generation_headers, json_response
 from frontend.sampling import truncation
 from frontend.serving import ServingContext
 from frontend.serving_pooling import pool, usage
@@ -86,7 +86,8 @@ async def _scores(ctx: ServingContext, request: Request, inputs, first: str, sec
         *[await _token_ids(ctx, body, t, body.max_tokens_per_query, first) for t in queries],
         *[await _token_ids(ctx, body, t, body.max_tokens_per_doc, second) for t in documents],
     ]
-    vectors, headers = await pool(ctx, request, inputs, prompts, PoolingParams(normalize=True))
+    vectors, generation = await pool(ctx, inputs, prompts, PoolingParams(normalize=True), request)
+    headers = generation_headers(ctx, generation)
     left, right = np.stack(vectors[: len(queries)]), np.stack(vectors[len(queries) :])
     # Unit vectors already: the cosine is the dot product (a query row broadcasts).
     scores = np.einsum("ij,ij->i", np.broadcast_to(left, right.shape), right)

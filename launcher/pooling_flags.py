@@ -77,8 +77,6 @@ def pooling_refusal(args: argparse.Namespace) -> str | None:
             "--convert none: a causal LM has no pooler of its own; use --convert embed "
             "(what --runner pooling does by default)"
         )
-    if args.grpc:
-        return "--grpc serves generation only; --runner pooling serves HTTP"
     return None
 
 

@@ -15,11 +15,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
 import tokenizers
+import torch
 from e2e_grpc import GRPCZServe, completes, generate, request_counts, wait_for
+from hf_generate import reference_model
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated.vllm_engine_pb2_grpc import VllmEngineStub
 from zserve_proc import free_port, new_log_path
 
@@ -43,6 +47,7 @@ class Gateway:
             SMG, "launch", "--host", "127.0.0.1", "--port", str(self.port),
             "--worker-urls", *(f"grpc://{w.target}" for w in workers),
             "--model-path", str(model_path), "--policy", "round_robin",
+            "--prometheus-port", str(free_port()),  # two gateways may run at once
         ]  # fmt: skip
         self.proc: subprocess.Popen | None = None
 
@@ -213,3 +218,65 @@ def test_a_stop_string_ends_the_answer_through_the_gateway(gateway, tokenizer):
     assert choice.finish_reason == "stop"
     assert choice.text == base[: base.index(stop)]
     assert response.usage.completion_tokens < 10
+
+
+# --- an embedding worker (--runner pooling): the gateway's /v1/embeddings over Embed -------
+
+
+@pytest.fixture(scope="module")
+def pooling_gateway(tiny_model):
+    with GRPCZServe(str(tiny_model("llama")), *WORKER_FLAGS, "--runner", "pooling") as worker:
+        with Gateway(tiny_model("llama"), [worker]) as g:
+            g.workers = [worker]
+            yield g
+        log = worker.log()
+    assert "Traceback" not in log, log[-4000:]
+
+
+def test_the_gateway_embeds_through_the_embed_rpc(pooling_gateway, tiny_model, tokenizer):
+    # One input per call: this gateway sends a list of inputs as one Embed of them all.
+    model = reference_model(tiny_model("llama"))
+    for text in ("hello world", "def f(x): return x"):
+        result = client(pooling_gateway).embeddings.create(
+            model=MODEL, input=text, encoding_format="float"
+        )
+        (data,) = result.data
+        ids = tokenizer.encode(text).ids
+        assert result.usage.prompt_tokens == len(ids)
+        with torch.no_grad():
+            hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
+        expected = (hidden / hidden.norm()).numpy()
+        assert max(abs(a - b) for a, b in zip(data.embedding, expected)) < 1e-4
+    assert sum(request_counts(pooling_gateway.workers[0]).values()) >= 2
+
+
+def test_embed_answers_and_refuses_by_name(pooling_gateway):
+    (worker,) = pooling_gateway.workers
+    with worker.channel() as channel:
+        stub = VllmEngineStub(channel)
+        ids = [72, 101, 108, 108, 111]
+        answer = stub.Embed(
+            pb.EmbedRequest(request_id="e", tokenized=pb.TokenizedInput(input_ids=ids))
+        )
+        assert answer.prompt_tokens == 5 and answer.embedding_dim == len(answer.embedding) == 64
+        by_text = stub.Embed(
+            pb.EmbedRequest(tokenized=pb.TokenizedInput(original_text="Hello")), timeout=10
+        )
+        assert by_text.embedding_dim == 64
+        assert not stub.GetModelInfo(pb.GetModelInfoRequest()).is_generation
+        for request, named in (
+            (pb.EmbedRequest(tokenized=pb.TokenizedInput(input_ids=[999])), "tokenized.input_ids"),
+            (
+                pb.EmbedRequest(tokenized=pb.TokenizedInput(input_ids=[1] * 1025)),
+                "tokenized.input_ids",
+            ),
+            (pb.EmbedRequest(), "tokenized"),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Embed(request, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert named in info.value.details(), info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=ids))))
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "use Embed" in info.value.details()

@@ -432,7 +432,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(stub, case):
 
 def test_unsupported_rpcs_say_so(stub):
     error = rpc_error(stub.Embed, pb.EmbedRequest(request_id="e"), metadata=AUTH, timeout=10)
-    assert error.code() == grpc.StatusCode.UNIMPLEMENTED and "embeddings" in error.details()
+    assert error.code() == grpc.StatusCode.UNIMPLEMENTED and "--runner pooling" in error.details()
     # Without --profiler-config the engines refuse, and the answer says why.
     for call, request in (
         (stub.StartProfile, common_pb2.StartProfileRequest()),

@@ -72,7 +72,6 @@ def test_pooler_config_then_sentence_transformers_then_defaults(st_model):
         (["--runner", "generate", "--convert", "embed"], "use it with --runner pooling"),
         (["--pooler-config", '{"pooling_type": "MEAN"}'], "--pooler-config needs --runner pooling"),
         (["--runner", "pooling", "--convert", "none"], "has no pooler of its own"),
-        (["--runner", "pooling", "--grpc"], "--grpc serves generation only"),
         (["--runner", "pooling", "--pooler-config", '{"normalize": true}'], "use `use_activation`"),
         (
             ["--runner", "pooling", "--pooler-config", '{"pooling_type": "ALL"}'],
