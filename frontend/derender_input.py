@@ -64,7 +64,7 @@ class GenerateResponse(_Model):
 
     request_id: str
     output_mode: Literal["tokens"] = "tokens"
-    choices: list[GeneratedChoice]
+    choices: list[GeneratedChoice] = Field(min_length=1)  # a generate answers one at least
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[Any] | None = None
     usage: GeneratedUsage | None = None

@@ -4,11 +4,11 @@ vector each from the engines → the vectors as floats, base64 or raw bytes."""
 from __future__ import annotations
 
 import base64
+import json
 import sys
 import time
 
 import numpy as np
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -210,4 +210,5 @@ def _metadata(id_, created, model, blobs, vectors, body, num_tokens) -> str:
         offset += len(blob)
     usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
     payload = {"id": id_, "created": created, "model": model, "data": items, "usage": usage}
-    return orjson.dumps(payload).decode()
+    # ASCII only, as a header must be (the id and model are the client's and ours).
+    return json.dumps(payload, separators=(",", ":"))

@@ -136,6 +136,10 @@ def test_encodings_dtypes_byte_orders_and_no_normalization(http, hidden):
     np.testing.assert_allclose(
         np.frombuffer(r.content, "<f4")[: len(expected)], expected, atol=1e-4
     )
+    # The header is ASCII whatever the client's id holds (the fuzz property found it).
+    body = {"input": [prompt], "encoding_format": "bytes", "request_id": "\u0100\n"}
+    r = http.post("/v1/embeddings", json=body)
+    assert json.loads(r.headers["metadata"])["id"] == "embd-\u0100\n"
     r = http.post("/v1/embeddings", json={"input": [prompt], "encoding_format": "bytes_only"})
     assert "metadata" not in r.headers and len(r.content) == 4 * len(expected)
     raw = http.post("/v1/embeddings", json={"input": [prompt], "use_activation": False}).json()
@@ -233,6 +237,21 @@ def test_a_maximal_request_leaves_health_up_and_memory_bounded(server, http):
         return all(now.get(role, 0) - size < limit for role, size in baseline.items())
 
     wait_for(settled, timeout=30, interval=1, what="memory to return")
+
+
+def test_a_client_that_goes_away_frees_its_inputs_in_the_engine(server):
+    body = {"input": [[(i + j) % 300 for j in range(MAX_MODEL_LEN)] for i in range(1024)]}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.base_url + "/v1/embeddings", json=body, timeout=1.0)
+
+    def idle() -> bool:
+        stats = httpx.get(server.base_url + "/server_info").json()["engines"][0]["stats"]
+        done = stats["num_running"] == stats["num_waiting"] == 0
+        return done and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+    wait_for(idle, timeout=10, interval=0.2, what="the engine to drop the aborted inputs")
+    stats = httpx.get(server.base_url + "/server_info").json()["engines"][0]["stats"]
+    assert stats["num_aborted"] > 0
 
 
 @pytest.fixture(scope="module")

@@ -326,6 +326,9 @@ def test_derender_drops_an_eos_and_keeps_every_other_last_token(http):
             "choices",
         ),
         ("/v1/completions/derender", {"generate_responses": []}, "body.generate_responses"),
+        # A generate response answers one choice at least (a 500 before; the fuzz found it).
+        ("/v1/chat/completions/derender", {"generate_response": {"request_id": "", "choices": []}},
+         "body.generate_response.choices"),
         # Echoed counts stay 64-bit and plausible; the original request keeps its limits.
         (
             "/v1/chat/completions/derender",
