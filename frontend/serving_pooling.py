@@ -98,6 +98,14 @@ async def pool(
             await run_unless_disconnected(request, generation.drain)
     finally:
         ctx.finish(generation)
+    unpooled = [c for c in generation.choices if c.pooled is None]
+    if unpooled:  # ended in the engine first: /pause or /sleep aborted it
+        raise APIError(
+            f"{len(unpooled)} of the request's {len(generation.choices)} inputs ended before "
+            f"they were pooled ({unpooled[0].finish_reason}); retry",
+            503,
+            headers={"Retry-After": "1"},
+        )
     return [np.frombuffer(c.pooled, dtype="<f4") for c in generation.choices], generation
 
 

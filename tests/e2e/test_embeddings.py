@@ -268,6 +268,23 @@ def test_a_client_that_goes_away_frees_its_inputs_in_the_engine(server):
     assert engine_stats()["num_aborted"] > aborted
 
 
+def test_inputs_a_pause_aborts_are_a_503_not_a_vector(server, http):
+    body = {"input": [[(i + j) % 300 for j in range(MAX_MODEL_LEN)] for i in range(1024)]}
+    answers = []
+    worker = threading.Thread(target=lambda: answers.append(http.post("/v1/embeddings", json=body)))
+    worker.start()
+    try:
+        stats = lambda: httpx.get(server.base_url + "/server_info").json()["engines"][0]["stats"]  # noqa: E731
+        wait_for(lambda: stats()["num_waiting"] > 0, timeout=60, what="the inputs to wait")
+        assert http.post("/pause").status_code == 200  # mode abort, vLLM's default
+        worker.join(60)
+        assert_error(answers[0], 503, None, ["was paused (POST /pause?mode=abort)"])
+    finally:
+        http.post("/resume")
+        worker.join(60)
+    assert http.post("/v1/embeddings", json={"input": "x"}).status_code == 200
+
+
 @pytest.fixture(scope="module")
 def sentence_transformers_model(tiny_model, tmp_path_factory):
     """The tiny llama as a sentence-transformers folder: MEAN pooling, no Normalize
