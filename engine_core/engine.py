@@ -130,8 +130,7 @@ class EngineCore:
                 check_beam_request(request, self.max_beam_width, self.blocks)
             state = Request(request, self.eos_token_ids)
             if self.pooler is not None:
-                self.pooler.check(state)
-                self.pooler.prepare(state)
+                self.pooler.admit(state)
             elif request.pooling is not None:
                 raise ValueError("this engine generates: run it with --runner pooling to pool")
             if request.lora_name is not None:

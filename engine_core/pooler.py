@@ -31,8 +31,9 @@ class Pooler:
         # MEAN and CLS read rows before the prompt's last one.
         self.needs_prompt_rows = pooling_type != "LAST"
 
-    def check(self, request: Request) -> None:
-        """Refuse what this pooler cannot answer, naming the field."""
+    def admit(self, request: Request) -> None:
+        """A new request: refuse what this pooler cannot answer, naming the field; plan
+        its prompt's rows when the pooler needs them."""
         params = request.pooling
         if params is None:
             raise ValueError(
@@ -41,9 +42,6 @@ class Pooler:
         dims = params.dimensions
         if dims is not None and not 1 <= dims <= self.hidden_size:
             raise ValueError(f"dimensions must be in 1..{self.hidden_size}; got {dims}")
-
-    def prepare(self, request: Request) -> None:
-        """A new request: plan its prompt's rows when the pooler needs them."""
         if self.needs_prompt_rows:
             request.prompt_logprobs_done = False
 

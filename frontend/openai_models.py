@@ -123,10 +123,7 @@ class SamplingFields(_Model):
             check_count_or_all("prompt_logprobs", self.prompt_logprobs)
             if self.stream and self.prompt_logprobs != 0:
                 raise ValueError("prompt_logprobs: not available when stream is true")
-        if self.cache_salt is not None and not self.cache_salt:
-            raise ValueError(
-                "cache_salt: Parameter 'cache_salt' must be a non-empty string if provided."
-            )
+        check_cache_salt(self.cache_salt)
         if self.logit_bias:
             bad = [key for key in self.logit_bias if not _is_int_text(key)]
             if bad:
@@ -150,6 +147,14 @@ def check_one_answer(body: SamplingFields, route: str) -> None:
         raise ValueError(f"n: {route} gives one answer; send n requests instead")
     if body.use_beam_search:
         raise ValueError(f"use_beam_search: not supported by {route}")
+
+
+def check_cache_salt(value: str | None) -> None:
+    """vLLM's rule: a salt, when given, is a non-empty string."""
+    if value is not None and not value:
+        raise ValueError(
+            "cache_salt: Parameter 'cache_salt' must be a non-empty string if provided."
+        )
 
 
 def check_count_or_all(field: str, value: int) -> None:

@@ -17,6 +17,7 @@ from frontend.openai_models import (
     ChatMessage,
     Prompt,
     _Model,
+    check_cache_salt,
 )
 
 
@@ -42,10 +43,7 @@ class PoolingFields(_Model):
 
     @model_validator(mode="after")
     def _salt(self):
-        if self.cache_salt is not None and not self.cache_salt:
-            raise ValueError(
-                "cache_salt: Parameter 'cache_salt' must be a non-empty string if provided."
-            )
+        check_cache_salt(self.cache_salt)
         return self
 
 
