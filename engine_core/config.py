@@ -35,6 +35,20 @@ class GrammarConfig:
     max_spec_bytes: int = 64 * 1024  # a constraint's text (schema, regex, grammar...)
 
 
+@dataclass(frozen=True)
+class ClassifierConfig:
+    """--runner pooling on a sequence-classification model (vLLM's classify task): a
+    linear head over the pooled hidden state, then an activation (pooler.py)."""
+
+    num_labels: int
+    activation: str = "softmax"  # softmax | sigmoid | identity, when use_activation
+    # An LLM used as a classifier (vLLM's classifier_from_token): the head's rows are
+    # these tokens' LM-head rows; with two_way (from_2_way_softmax), one row, the
+    # second's less the first's. Empty: the checkpoint's score.weight (and score.bias).
+    from_tokens: tuple[str, ...] = ()
+    two_way: bool = False
+
+
 @dataclass
 class EngineConfig:
     """What one EngineCore needs, in an engine-core process or in-process (LLM)."""
@@ -75,6 +89,7 @@ class EngineConfig:
     # pooler: LAST (the last prompt token's hidden state), MEAN or CLS (the first's).
     runner: str = "generate"  # generate | pooling
     pooling_type: str = "LAST"
+    classifier: ClassifierConfig | None = None  # None: pooled vectors are embeddings
 
 
 @dataclass

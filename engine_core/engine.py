@@ -17,7 +17,7 @@ from engine_core.logprobs import concat_logprobs, logprobs_of_positions, logprob
 from engine_core.lora_adapter import LoraError
 from engine_core.lora_manager import LoraManager
 from engine_core.model_runner import ModelRunner
-from engine_core.pooler import Pooler
+from engine_core.pooler import make_pooler
 from engine_core.request import Request, RequestStatus
 from engine_core.sampler import Sampler
 from engine_core.scheduler import Scheduler, SchedulerOutput
@@ -59,9 +59,7 @@ class EngineCore:
         self.eos_token_ids = info.eos_token_ids
         self.architecture = info.architecture
         self.hidden_size = int(info.hf_config.hidden_size)
-        self.pooler = (
-            Pooler(config.pooling_type, self.hidden_size) if config.runner == "pooling" else None
-        )
+        self.pooler = make_pooler(config, info)
         self.model_type = str(getattr(info.hf_config, "model_type", "") or "")
         self.bos_token_id = _token_id(getattr(info.hf_config, "bos_token_id", None))
         self.pad_token_id = _token_id(getattr(info.hf_config, "pad_token_id", None))

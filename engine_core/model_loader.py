@@ -64,10 +64,12 @@ def inspect_model(model_dir: str, overrides: dict | None = None) -> ModelInfo:
         raise ValueError(f"{model_dir}: no config.json; expected a local Hugging Face model folder")
     raw |= overrides or {}
     archs = raw.get("architectures") or [raw.get("model_type", "<unknown>")]
-    arch = archs[0]
+    # A sequence-classification checkpoint is its causal LM's decoder and a score head
+    # (the engine's pooler runs the head: --runner pooling).
+    arch = archs[0].replace("ForSequenceClassification", "ForCausalLM")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
-            f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"architecture {archs[0]} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     _override(config, overrides or {})

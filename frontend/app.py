@@ -38,7 +38,13 @@ from frontend.openai_models import (
     UnloadLoRAAdapterRequest,
 )
 from frontend.openapi import build_openapi
-from frontend.pooling_input import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
+from frontend.pooling_input import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from frontend.request_inputs import ClientDisconnected, json_body
 from frontend.responses import json_response
 from frontend.responses_input import ResponsesRequest
@@ -54,7 +60,7 @@ from frontend.serving_generate import (
     tokens_only,
 )
 from frontend.serving_lora import load_lora_adapter, runtime_lora_updating, unload_lora_adapter
-from frontend.serving_pooling import create_embedding, create_pooling
+from frontend.serving_pooling import create_classify, create_embedding, create_pooling
 from frontend.serving_render import (
     derender_chat_completion,
     derender_completion,
@@ -154,9 +160,11 @@ async def metrics(ctx: ServingContext, request: Request) -> Response:
 
 async def invocations(ctx: ServingContext, request: Request) -> Response:
     """SageMaker's entry: a chat body goes to chat, a prompt body to completions; on a
-    pooling server, every body to the embeddings."""
+    pooling server, every body to its model's task (embeddings or classification)."""
     data = await json_body(ctx, request)
     if ctx.config.pooling is not None:
+        if ctx.config.pooling.task == "classify":
+            return await create_classify(ctx, request)
         return await create_embedding(ctx, request)
     if "messages" in data:
         return await create_chat_completion(ctx, request)
@@ -180,13 +188,25 @@ class RouteSpec:
     vllm_open: bool = False
     when: Callable[[FrontendConfig], bool] | None = None  # served only if this says so
     otherwise: Handler | None = None  # what answers when `when` says no (else a 404)
-    # The servers that have it: "generate" (the default runner), "pool" (--runner
-    # pooling); None: both.
+    # The servers that have it (server_tasks): "generate" (the default runner), "pool"
+    # (--runner pooling), "embed" or "classify" (its model's), "score"; None: all.
     task: str | None = None
 
     def serves(self, config: FrontendConfig) -> bool:
         """The task is this server's (whatever `when` says)."""
-        return self.task is None or (self.task == "pool") == (config.pooling is not None)
+        return self.task is None or self.task in server_tasks(config)
+
+
+def server_tasks(config: FrontendConfig) -> set[str]:
+    """What a server does: generate, or pool for its model's task, and score pairs when
+    that is embed or a one-label classifier (a cross-encoder), as vLLM's servers."""
+    pooling = config.pooling
+    if pooling is None:
+        return {"generate"}
+    tasks = {"pool", pooling.task}
+    if pooling.task == "embed" or len(pooling.labels or ()) == 1:
+        tasks.add("score")
+    return tasks
 
 
 ROUTES: tuple[RouteSpec, ...] = (
@@ -238,11 +258,22 @@ ROUTES: tuple[RouteSpec, ...] = (
         when=tokens_only,
         task="generate",
     ),
-    RouteSpec("/v1/embeddings", create_embedding, ("POST",), EmbeddingRequest, task="pool"),
-    # vLLM's key guards /v1 only: /pooling, /score, /rerank and /v2/rerank are open there.
+    RouteSpec("/v1/embeddings", create_embedding, ("POST",), EmbeddingRequest, task="embed"),
+    # vLLM's key guards /v1 only: /pooling, /classify, /score, /rerank and /v2/rerank are
+    # open there.
     RouteSpec("/pooling", create_pooling, ("POST",), PoolingRequest, vllm_open=True, task="pool"),
+    RouteSpec(
+        "/classify",
+        create_classify,
+        ("POST",),
+        ClassificationRequest,
+        vllm_open=True,
+        task="classify",
+    ),
     *(
-        RouteSpec(path, handler, ("POST",), body, vllm_open=not path.startswith("/v1"), task="pool")
+        RouteSpec(
+            path, handler, ("POST",), body, vllm_open=not path.startswith("/v1"), task="score"
+        )
         for path, handler, body in (
             ("/score", create_score, ScoreRequest),
             ("/v1/score", create_score, ScoreRequest),

@@ -13,8 +13,9 @@ from protocol.sockets import CurveKeys
 
 @dataclass(frozen=True)
 class PoolingOptions:
-    """--runner pooling: the server answers embeddings (serving_pooling.py), not
-    generations; what a request leaves unset, and what the model admits."""
+    """--runner pooling: the server answers embeddings or classifications
+    (serving_pooling.py), not generations; what a request leaves unset, and what the
+    model admits."""
 
     pooling_type: str = "LAST"  # the engines' pooler: LAST | MEAN | CLS
     normalize: bool = True  # use_activation's default (sentence-transformers' Normalize)
@@ -22,6 +23,11 @@ class PoolingOptions:
     # `dimensions`; None: any in 1..hidden_size, else only those listed.
     matryoshka: bool = False
     matryoshka_dimensions: list[int] | None = None
+    # classify: a sequence-classification model (/classify; /score and /rerank when it
+    # has one label, pairs tokenized as a pair when use_sep_token, else as one text).
+    task: str = "embed"  # embed | classify
+    labels: list[str | None] | None = None  # classify: each label's name, by index
+    use_sep_token: bool = True
 
 
 @dataclass

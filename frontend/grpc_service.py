@@ -166,11 +166,16 @@ class EngineService(VllmEngineServicer):
                 grpc.StatusCode.UNIMPLEMENTED,
                 "Embed: this server generates; start it with --runner pooling to embed",
             )
+        if ctx.config.pooling.task != "embed":
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "Embed: this server's model classifies; its HTTP door's /classify answers",
+            )
         self.last_receive = time.time()
         ctx.in_flight += 1
         try:
             inputs, prompt = await read_embed(ctx, request, context.invocation_metadata() or ())
-            params = PoolingParams(normalize=ctx.config.pooling.normalize)
+            params = PoolingParams(use_activation=ctx.config.pooling.normalize)
             vectors, _ = await pool(ctx, inputs, [prompt], params)
             return pb.EmbedResponse(
                 embedding=vectors[0].tolist(),

@@ -1,4 +1,5 @@
-"""The bodies of POST /v1/embeddings and /pooling (--runner pooling), as vLLM takes them.
+"""The bodies of POST /v1/embeddings, /classify and /pooling (--runner pooling), and of
+/score and /rerank, as vLLM takes them.
 
 `input` is a text, texts, token ids or lists of them; or, instead, a conversation in
 `messages` (or in `input`), or a list of conversations, rendered by the chat template.
@@ -47,14 +48,11 @@ class PoolingFields(_Model):
         return self
 
 
-class EmbeddingRequest(PoolingFields):
+class PoolingInputs(PoolingFields):
+    """The inputs of an embeddings or classification request: one answer each."""
+
     input: Prompt | None = None
     messages: list[ChatMessage] | list[list[ChatMessage]] | None = None
-    encoding_format: Literal["float", "base64", "bytes", "bytes_only"] = "float"
-    # base64 and bytes only: the numbers' type and byte order (native: this host's).
-    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    endianness: Literal["native", "big", "little"] = "native"
-    dimensions: int | None = None  # Matryoshka models only (PoolingOptions)
     add_special_tokens: bool | None = None  # None: true for input, false for messages
     # A conversation's rendering (as /v1/chat/completions', but no generation prompt).
     add_generation_prompt: bool = False
@@ -113,10 +111,22 @@ class EmbeddingRequest(PoolingFields):
         return [self.messages]
 
 
-class PoolingRequest(EmbeddingRequest):
-    """/pooling: the same, for the one task a pooling server here has (embed)."""
+class ClassificationRequest(PoolingInputs):
+    """/classify: each input's label probabilities (use_activation false: the logits)."""
 
-    task: Literal["embed"] | None = None
+
+class EmbeddingRequest(PoolingInputs):
+    encoding_format: Literal["float", "base64", "bytes", "bytes_only"] = "float"
+    # base64 and bytes only: the numbers' type and byte order (native: this host's).
+    embed_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    endianness: Literal["native", "big", "little"] = "native"
+    dimensions: int | None = None  # Matryoshka models only (PoolingOptions)
+
+
+class PoolingRequest(EmbeddingRequest):
+    """/pooling: the same, for the one task a pooling server here has (its model's)."""
+
+    task: Literal["embed", "classify"] | None = None
 
 
 # --- /score and /rerank: the cosine of two embeddings (vLLM's bi-encoder scoring) -------

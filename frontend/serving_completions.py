@@ -29,7 +29,7 @@ from frontend.usage import usage
 from protocol.messages import SamplingParams
 
 if TYPE_CHECKING:
-    from frontend.pooling_input import EmbeddingRequest
+    from frontend.pooling_input import PoolingInputs
 
 
 async def tokenize_prompts(ctx: ServingContext, body: CompletionRequest) -> list[list[int]]:
@@ -45,7 +45,7 @@ async def tokenize_prompts(ctx: ServingContext, body: CompletionRequest) -> list
 async def prompt_token_ids(
     ctx: ServingContext,
     prompt: Prompt,
-    body: CompletionRequest | EmbeddingRequest,
+    body: CompletionRequest | PoolingInputs,
     field: str,
     room: int = 1,
 ) -> list[list[int]]:

@@ -1,5 +1,6 @@
-"""POST /v1/embeddings and /pooling (--runner pooling): inputs → token ids → one pooled
-vector each from the engines → the vectors as floats, base64 or raw bytes."""
+"""POST /v1/embeddings, /classify and /pooling (--runner pooling): inputs → token ids →
+one pooled vector each from the engines (an embedding, or a classifier's label
+probabilities) → as floats, base64 or raw bytes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ from starlette.responses import Response
 from frontend.chat_prompt import render_messages
 from frontend.errors import APIError
 from frontend.generation import Generation
-from frontend.pooling_input import EmbeddingRequest, PoolingRequest
+from frontend.pooling_input import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingInputs,
+    PoolingRequest,
+)
 from frontend.request_inputs import RequestInputs, read_inputs
 from frontend.responses import generation_headers, json_response, run_unless_disconnected
 from frontend.sampling import truncation
@@ -35,6 +41,40 @@ async def create_pooling(ctx: ServingContext, request: Request) -> Response:
     return await _pool(ctx, request, PoolingRequest, "pooling", "pooling", "data")
 
 
+async def create_classify(ctx: ServingContext, request: Request) -> Response:
+    """Each input's label probabilities, its likeliest label named (vLLM's /classify)."""
+    inputs = await read_inputs(ctx, request, ClassificationRequest, num_inputs, "input")
+    body = inputs.body
+    prompts = await input_token_ids(ctx, body)
+    vectors, generation = await pool(ctx, inputs, prompts, _params(ctx, body), request)
+    labels = ctx.config.pooling.labels or []
+    data = []
+    for i, probs in enumerate(vectors):
+        best = int(np.argmax(probs))
+        label = labels[best] if best < len(labels) else None
+        data.append(
+            {"index": i, "label": label, "probs": probs.tolist(), "num_classes": len(probs)}
+        )
+    payload = {
+        "id": f"classify-{inputs.request_id}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": inputs.model,
+        "data": data,
+        "usage": usage(sum(map(len, prompts))),
+    }
+    return json_response(payload, generation_headers(ctx, generation))
+
+
+def _params(ctx: ServingContext, body: PoolingInputs, dimensions: int | None = None):
+    """The engine's pooling parameters: use_activation, or the server's default."""
+    activate = body.use_activation
+    return PoolingParams(
+        use_activation=ctx.config.pooling.normalize if activate is None else activate,
+        dimensions=_dimensions(ctx, dimensions),
+    )
+
+
 async def _pool(
     ctx: ServingContext,
     request: Request,
@@ -45,12 +85,12 @@ async def _pool(
 ) -> Response:
     inputs = await read_inputs(ctx, request, model, num_inputs, "input")
     body = inputs.body
-    params = PoolingParams(
-        normalize=ctx.config.pooling.normalize
-        if body.use_activation is None
-        else body.use_activation,
-        dimensions=_dimensions(ctx, body.dimensions),
-    )
+    task = ctx.config.pooling.task
+    if getattr(body, "task", None) not in (None, task):
+        raise APIError(
+            f"task: Unsupported task: {body.task!r}; this model's task is {task!r}", param="task"
+        )
+    params = _params(ctx, body, body.dimensions)
     prompts = await input_token_ids(ctx, body)
     vectors, generation = await pool(ctx, inputs, prompts, params, request)
     headers = generation_headers(ctx, generation)
@@ -120,7 +160,7 @@ def usage(num_tokens: int) -> dict:
     }
 
 
-def num_inputs(body: EmbeddingRequest) -> int:
+def num_inputs(body: PoolingInputs) -> int:
     """How many vectors the request asks for (at most --max-prompts-per-request)."""
     conversations = body.conversations
     if conversations is not None:
@@ -131,7 +171,7 @@ def num_inputs(body: EmbeddingRequest) -> int:
     return 1
 
 
-async def input_token_ids(ctx: ServingContext, body: EmbeddingRequest) -> list[list[int]]:
+async def input_token_ids(ctx: ServingContext, body: PoolingInputs) -> list[list[int]]:
     """Each input's token ids: texts tokenized, conversations rendered first; each may
     fill the context (nothing is generated after it)."""
     conversations = body.conversations

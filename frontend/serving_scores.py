@@ -1,6 +1,10 @@
-"""POST /score and /rerank (and their /v1, /v2 paths) on a --runner pooling server: each
-query and document embedded once, each pair scored by the cosine of its two vectors
-(vLLM's bi-encoder scoring)."""
+"""POST /score and /rerank (and their /v1, /v2 paths) on a --runner pooling server.
+
+An embedding model (vLLM's bi-encoder scoring): each query and document embedded once,
+each pair scored by the cosine of its two vectors. A one-label classifier (a
+cross-encoder): each pair read as one input, as the tokenizer joins a pair (or as one
+text: an LLM as reranker), scored by the classifier's probability.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from frontend.errors import APIError
 from frontend.pooling_input import RerankRequest, ScoreRequest, ScoringFields
 from frontend.request_inputs import read_inputs
 from frontend.responses import generation_headers, json_response
-from frontend.sampling import truncation
+from frontend.sampling import context_length_error, truncation
 from frontend.serving import ServingContext
 from frontend.serving_pooling import pool, usage
 from frontend.tokenizer_pool import INLINE_CHARS
@@ -82,16 +86,63 @@ async def _scores(ctx: ServingContext, request: Request, inputs, first: str, sec
                 f"({ctx.max_model_len}).",
                 param=name,
             )
+    if ctx.config.pooling.task == "classify":
+        return await _cross_encoded(ctx, request, inputs, queries, documents, (first, second))
     prompts = [
         *[await _token_ids(ctx, body, t, body.max_tokens_per_query, first) for t in queries],
         *[await _token_ids(ctx, body, t, body.max_tokens_per_doc, second) for t in documents],
     ]
-    vectors, generation = await pool(ctx, inputs, prompts, PoolingParams(normalize=True), request)
+    vectors, generation = await pool(ctx, inputs, prompts, PoolingParams(), request)
     headers = generation_headers(ctx, generation)
     left, right = np.stack(vectors[: len(queries)]), np.stack(vectors[len(queries) :])
     # Unit vectors already: the cosine is the dot product (a query row broadcasts).
     scores = np.einsum("ij,ij->i", np.broadcast_to(left, right.shape), right)
     return scores.tolist(), sum(map(len, prompts)), headers
+
+
+async def _cross_encoded(ctx, request, inputs, queries, documents, sides):
+    """Each (query, document) pair's probability from a one-label classifier."""
+    body: ScoringFields = inputs.body
+    cut = truncation(body, ctx.max_model_len)
+    queries = [await _first(ctx, q, body.max_tokens_per_query, sides[0], cut) for q in queries]
+    prompts = []
+    for i, document in enumerate(documents):
+        document = await _first(ctx, document, body.max_tokens_per_doc, sides[1], cut)
+        prompts.append(await _pair_ids(ctx, queries[0 if len(queries) == 1 else i], document, cut))
+    activate = ctx.config.pooling.normalize if body.use_activation is None else body.use_activation
+    params = PoolingParams(use_activation=activate)
+    vectors, generation = await pool(ctx, inputs, prompts, params, request)
+    scores = [float(v[0]) for v in vectors]
+    return scores, sum(map(len, prompts)), generation_headers(ctx, generation)
+
+
+async def _first(ctx: ServingContext, text: str, at_most: int, field: str, cut) -> str:
+    """The text, cut to its first `at_most` tokens (0: whole; then it must fit)."""
+    if at_most:
+        if len(text) > INLINE_CHARS:
+            return await asyncio.to_thread(_first_tokens, ctx, text, at_most)
+        return _first_tokens(ctx, text, at_most)
+    ctx.check_text_length(text, field, truncating=cut is not None)
+    return text
+
+
+async def _pair_ids(ctx: ServingContext, query: str, document: str, cut) -> list[int]:
+    """A pair's token ids: the tokenizer's pair (its separators between the two), or with
+    use_sep_token off the two texts as one (vLLM's default for an LLM as reranker)."""
+    raw = ctx.renderer.raw
+
+    def encode() -> list[int]:
+        if ctx.config.pooling.use_sep_token:
+            return raw.encode(query, document, add_special_tokens=True).ids
+        return raw.encode(query + document, add_special_tokens=True).ids
+
+    long = len(query) + len(document) > INLINE_CHARS
+    ids = await asyncio.to_thread(encode) if long else encode()
+    if cut is not None:
+        return cut.apply(ids)
+    if len(ids) > ctx.max_model_len:
+        raise context_length_error(len(ids), ctx.max_model_len, room=0)
+    return ids
 
 
 def _texts(value: str | list[str]) -> list[str]:

@@ -223,7 +223,8 @@ class PoolingParams(_Wire):
     """A pooling request (--runner pooling): its prompt's final hidden states pooled
     into one vector (engine_core/pooler.py) instead of a generation."""
 
-    normalize: bool = True  # to unit length (vLLM's use_activation for embeddings)
+    # An embedding normalized to unit length; a classification's activation applied.
+    use_activation: bool = True
     dimensions: int | None = None  # the first N only (Matryoshka), before normalizing
 
 

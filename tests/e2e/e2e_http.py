@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -205,3 +206,17 @@ def rss(server: ZServe) -> dict[str, int]:
         if role.startswith(("zserve-api", "zserve-engine")) or role == "tokenizers":
             sizes[role] = sizes.get(role, 0) + kib * 1024
     return sizes
+
+
+def post_while_probing(http: httpx.Client, path: str, body: dict) -> httpx.Response:
+    """POST `body`; meanwhile /health answers every probe within 5 s."""
+    answers = []
+    worker = threading.Thread(target=lambda: answers.append(http.post(path, json=body)))
+    worker.start()
+    while worker.is_alive():
+        start = time.monotonic()
+        assert http.get("/health").status_code == 200
+        assert time.monotonic() - start < 5.0
+        time.sleep(0.2)
+    worker.join()
+    return answers[0]

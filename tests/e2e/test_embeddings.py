@@ -15,7 +15,16 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from e2e_http import MAX_MODEL_LEN, MODEL, SERVED_NAMES, SMALL_KV, assert_error, rss, wait_for
+from e2e_http import (
+    MAX_MODEL_LEN,
+    MODEL,
+    SERVED_NAMES,
+    SMALL_KV,
+    assert_error,
+    post_while_probing,
+    rss,
+    wait_for,
+)
 from hf_generate import reference_model
 from zserve_proc import ZServe
 
@@ -169,7 +178,7 @@ def test_refusals_name_the_field(http):
         ({"input": ["x"] * 1025}, "input", "--max-prompts-per-request"),
         ({"input": "x", "messages": [{"role": "user", "content": "y"}]}, "input", "exactly one"),
         ({"input": "x", "encoding_format": "hex"}, "body.encoding_format", "'bytes_only'"),
-        ({"input": "x", "task": "classify"}, "body.task", "'embed'"),
+        ({"input": "x", "task": "classify"}, "task", "this model's task is 'embed'"),
         ({"messages": [[]]}, "messages", "conversation may not be empty"),
         ({"input": 5}, "body.input", "a list of token ids"),
         ({"input": [[1, 2], "a"]}, "body.input", "a list of such lists"),
@@ -196,20 +205,6 @@ def test_only_the_pooling_routes_are_served(http, default_server):
     # And a generating server has no embeddings.
     r = httpx.post(default_server.base_url + "/v1/embeddings", json={"input": "x"})
     assert r.status_code == 404
-
-
-def post_while_probing(http, path: str, body: dict) -> httpx.Response:
-    """POST `body`; meanwhile /health answers every probe within 5 s."""
-    answers = []
-    worker = threading.Thread(target=lambda: answers.append(http.post(path, json=body)))
-    worker.start()
-    while worker.is_alive():
-        start = time.monotonic()
-        assert http.get("/health").status_code == 200
-        assert time.monotonic() - start < 5.0
-        time.sleep(0.2)
-    worker.join()
-    return answers[0]
 
 
 def test_a_maximal_request_leaves_health_up_and_memory_bounded(server, http):

@@ -11,6 +11,7 @@ import pytest
 from e2e_http import MODEL, SERVED_NAMES, SMALL_KV, assert_error_body, parse_named_sse, parse_sse
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from tiny_classifier import build_classifier
 from zserve_proc import ZServe
 
 pytestmark = pytest.mark.timeout(240)
@@ -426,8 +427,8 @@ POOLING_FIELDS: dict[str, st.SearchStrategy] = {
 
 
 @st.composite
-def pooling_bodies(draw) -> tuple[str, dict]:
-    route = draw(st.sampled_from(POOLING_ROUTES))
+def pooling_bodies(draw, routes: list[str] = POOLING_ROUTES) -> tuple[str, dict]:
+    route = draw(st.sampled_from(routes))
     body = dict(POOLING_BASES[route]) if draw(st.integers(0, 3)) else {}
     wild = draw(st.booleans())
     names = draw(st.lists(st.sampled_from(sorted(POOLING_FIELDS)), max_size=5, unique=True))
@@ -443,6 +444,7 @@ POOLING_BASES = {
     "/v1/embeddings": {"input": "hi"},
     "/pooling": {"input": "hi"},
     "/invocations": {"input": "hi"},
+    "/classify": {"input": "hi"},
     "/score": {"queries": "hi", "documents": ["a", "b"]},
     "/rerank": {"query": "hi", "documents": ["a", "b"]},
 }
@@ -464,8 +466,35 @@ def pooling_http(tiny_model):
 @given(case=pooling_bodies())
 @example(case=("/v1/embeddings", {"input": [[1, 2]], "encoding_format": "bytes"}))
 def test_a_pooling_servers_routes_never_answer_a_5xx(pooling_http, case):
+    check_pooling_answer(pooling_http, case)
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_http(tiny_model, tmp_path_factory):
+    """A one-label sequence classifier whose tokenizer joins pairs with a separator."""
+    out = tmp_path_factory.mktemp("ce") / "ce"
+    model = build_classifier(tiny_model("llama"), out, ["relevant"], separator="<|endoftext|>")
+    with ZServe(str(model), *SERVED_NAMES, *SMALL_KV) as s:
+        with httpx.Client(base_url=s.base_url, timeout=60) as c:
+            yield c
+        r = httpx.post(s.base_url + "/classify", json={"input": "hello"}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["data"]) == 1
+        log = s.log()
+    assert "Traceback" not in log, log[-4000:]
+
+
+CLASSIFY_ROUTES = ["/classify", "/pooling", "/invocations", "/score", "/rerank"]
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(case=pooling_bodies(CLASSIFY_ROUTES))
+def test_a_cross_encoders_routes_never_answer_a_5xx(cross_encoder_http, case):
+    check_pooling_answer(cross_encoder_http, case)
+
+
+def check_pooling_answer(http: httpx.Client, case: tuple[str, dict]) -> None:
     route, body = case
-    r = pooling_http.post(route, json=body)
+    r = http.post(route, json=body)
     assert r.status_code < 500, (route, body, r.status_code, r.text[:500])
     if r.status_code >= 400:
         check_error(route, r)

@@ -94,7 +94,7 @@ def test_dimensions_and_no_normalization(tiny_model):
     model_dir = tiny_model("llama")
     prompts = make_prompts((9,))
     engine = pooling_engine(model_dir)
-    raw = pool_all(engine, prompts, PoolingParams(normalize=False))[0]
+    raw = pool_all(engine, prompts, PoolingParams(use_activation=False))[0]
     with torch.no_grad():
         hidden = reference_model(model_dir).model(input_ids=torch.tensor(prompts)).last_hidden_state
     np.testing.assert_allclose(raw, hidden[0, -1].numpy(), atol=2e-5)

@@ -68,7 +68,8 @@ def test_pooler_config_then_sentence_transformers_then_defaults(st_model):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--convert", "classify"], "--convert classify is not supported"),
+        (["--convert", "classify"], "has no score head (score.weight)"),
+        (["--convert", "reward"], "--convert reward is not supported"),
         (["--runner", "generate", "--convert", "embed"], "use it with --runner pooling"),
         (["--pooler-config", '{"pooling_type": "MEAN"}'], "--pooler-config needs --runner pooling"),
         (["--runner", "pooling", "--convert", "none"], "has no pooler of its own"),
