@@ -376,4 +376,60 @@ POOLING: list[Case] = [
          {"queries": "a", "documents": []}),
 ]  # fmt: skip
 
-PROFILES = {"default": DEFAULT, "flags": FLAGS, "scale-out": SCALE_OUT, "pooling": POOLING}
+
+def _classes(d: dict) -> list:
+    """Each answer's class count, label and probabilities to two places, and the usage."""
+    data = [x for x in d["data"]]
+    probs = [[round(p, 2) for p in x.get("probs", x.get("data"))] for x in data]
+    return (
+        [[x.get("num_classes"), x.get("label")] for x in data],
+        probs,
+        d["usage"]["prompt_tokens"],
+    )
+
+
+def _scores(d: dict) -> list:
+    return [d["usage"]["prompt_tokens"], [round(x["score"], 2) for x in d["data"]]]
+
+
+# Both servers on a one-label *ForSequenceClassification model (a cross-encoder).
+CLASSIFY: list[Case] = [
+    Case("-", "classify texts", "POST", "/classify",
+         {"input": ["hello world", "def f(x): return x"]}, probe=_classes),
+    Case("-", "classify token ids", "POST", "/classify", {"input": [[1, 283, 80]]},
+         probe=_classes),
+    Case("-", "classify a conversation", "POST", "/classify", {"messages": USER}, probe=_classes),
+    Case("-", "classify without the activation", "POST", "/classify",
+         {"input": "hi", "use_activation": False}, probe=_classes),
+    Case("-", "/pooling classifies", "POST", "/pooling", {"input": "hi"}, probe=_classes),
+    Case("-", "/invocations classifies", "POST", "/invocations", {"input": "hi"},
+         probe=_classes),
+    Case("-", "classify nothing is a 400", "POST", "/classify", {"input": []}),
+    Case("-", "classify past the context is a 400", "POST", "/classify",
+         {"input": [[1] * 2049]}),
+    Case("-", "embeddings are not served", "POST", EMBED, {"input": "hi"}),
+    Case("-", "score 1:N", "POST", "/score",
+         {"queries": "what is python", "documents": ["python is a language", "snakes"]},
+         probe=_scores),
+    Case("-", "score N:N, text_1/text_2", "POST", "/v1/score",
+         {"text_1": ["a", "b"], "text_2": ["c", "d"]}, probe=_scores),
+    Case("-", "score without the activation", "POST", "/score",
+         {"queries": "a", "documents": ["b"], "use_activation": False}, probe=_scores),
+    Case("-", "score with max_tokens_per_doc", "POST", "/score",
+         {"queries": "hello world", "documents": "hello there world", "max_tokens_per_doc": 2},
+         probe=_scores),
+    Case("-", "rerank, top_n", "POST", "/rerank",
+         {"query": "what is python", "documents": ["snakes", "python is a language", "x"],
+          "top_n": 2}, probe=lambda d: [[r["index"], round(r["relevance_score"], 2)]
+                                        for r in d["results"]]),
+    Case("-", "score 2:3 is a 400", "POST", "/score",
+         {"data_1": ["a", "b"], "data_2": ["c", "d", "e"]}),
+]  # fmt: skip
+
+PROFILES = {
+    "default": DEFAULT,
+    "flags": FLAGS,
+    "scale-out": SCALE_OUT,
+    "pooling": POOLING,
+    "classify": CLASSIFY,
+}

@@ -15,6 +15,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
+from frontend.chat_prompt import RESERVED_TEMPLATE_KWARGS, template_error
 from frontend.errors import APIError
 from frontend.pooling_input import RerankRequest, ScoreRequest, ScoringFields
 from frontend.request_inputs import read_inputs
@@ -108,7 +109,12 @@ async def _cross_encoded(ctx, request, inputs, queries, documents, sides):
     prompts = []
     for i, document in enumerate(documents):
         document = await _first(ctx, document, body.max_tokens_per_doc, sides[1], cut)
-        prompts.append(await _pair_ids(ctx, queries[0 if len(queries) == 1 else i], document, cut))
+        query = queries[0 if len(queries) == 1 else i]
+        if ctx.config.chat_template is None:
+            prompts.append(await _pair_ids(ctx, query, document, cut))
+        else:
+            text = await _score_template(ctx, body, query, document, cut is not None)
+            prompts.append(await ctx.encode(text, True, cut, room=0))
     activate = ctx.config.pooling.normalize if body.use_activation is None else body.use_activation
     params = PoolingParams(use_activation=activate)
     vectors, generation = await pool(ctx, inputs, prompts, params, request)
@@ -143,6 +149,36 @@ async def _pair_ids(ctx: ServingContext, query: str, document: str, cut) -> list
     if len(ids) > ctx.max_model_len:
         raise context_length_error(len(ids), ctx.max_model_len, room=0)
     return ids
+
+
+async def _score_template(
+    ctx: ServingContext, body: ScoringFields, query: str, doc: str, truncating: bool
+) -> str:
+    """The pair through the server's --chat-template as the messages of roles query and
+    document (vLLM's score template; `instruction` is a template variable too)."""
+    kwargs = {**ctx.config.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
+    if body.instruction is not None:
+        kwargs.setdefault("instruction", body.instruction)
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise APIError(
+            f"chat_template_kwargs: {reserved[0]!r} is not a template variable",
+            param="chat_template_kwargs",
+        )
+    messages = [{"role": "query", "content": query}, {"role": "document", "content": doc}]
+    try:
+        text = await asyncio.to_thread(
+            ctx.renderer.render_chat,
+            messages=messages,
+            add_generation_prompt=False,
+            template_kwargs=kwargs,
+        )
+    except Exception as e:  # a template only fails on what the request put into it
+        raise template_error(e) from None
+    if not isinstance(text, str):
+        raise APIError("chat_template_kwargs: the chat template did not render text")
+    ctx.check_text_length(text, "documents", truncating)
+    return text
 
 
 def _texts(value: str | list[str]) -> list[str]:
