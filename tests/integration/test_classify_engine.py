@@ -58,6 +58,16 @@ def test_probabilities_are_transformers_logits_softmaxed(three_labels, impl):
     assert len({int(np.argmax(p)) for p in probs}) > 1  # the head tells prompts apart
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "phi3", "gemma2"])
+def test_every_architectures_classifier(tiny_model, tmp_path, arch):
+    # Each decoder's *ForSequenceClassification, on the backend auto picks for it.
+    model_dir = build_classifier(tiny_model(arch), tmp_path / arch, ["x", "y"], seed=7)
+    prompts = make_prompts((3, 20, 37))
+    got = pool_all(pooling_engine(model_dir, classifier=head_of(model_dir)), prompts)
+    for g, logits in zip(got, hf_logits(model_dir, prompts)):
+        np.testing.assert_allclose(g, torch.softmax(torch.tensor(logits), -1).numpy(), atol=1e-5)
+
+
 def test_one_label_is_a_sigmoid_and_a_regression_is_raw(tiny_model, tmp_path):
     base = tiny_model("llama")
     one = build_classifier(base, tmp_path / "one", ["relevant"], seed=5)
