@@ -30,6 +30,7 @@ from launcher.ray_placement import RayPlan
 from launcher.serve_feature_args import profiler_routes_enabled
 from launcher.structured_outputs_flag import frontend_options, grammar_config
 from launcher.vllm_compat import apply_compat_flags, compat_refusal, take_model_flag
+from launcher.vllm_flags import log_no_effect, vllm_flag_refusal
 from protocol.sockets import ipc_address, tcp_address
 
 log = logging.getLogger("zserve.supervisor")
@@ -101,16 +102,17 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
         or compat_refusal(args)
         or http_door_refusal(args)
         or pooling_refusal(args)
+        or vllm_flag_refusal(args)
     )
     if problem:
         raise LaunchRefused(problem)
     try:
         model_dir = _model_dir(args)
-        tokenizer_dir = (
-            resolve_model(args.tokenizer, args.revision, args.download_dir)
-            if args.tokenizer
-            else model_dir
-        )
+        tokenizer_dir = model_dir
+        if args.tokenizer or args.tokenizer_revision:
+            revision = args.tokenizer_revision or args.revision
+            name = args.tokenizer or args.model or model_dir
+            tokenizer_dir = resolve_model(name, revision, args.download_dir)
     except ModelNotFoundError as e:
         raise LaunchRefused(str(e)) from None
     return build_plan(args, model_dir, tokenizer_dir)
@@ -119,6 +121,7 @@ def plan_launch(args: argparse.Namespace) -> LaunchPlan:
 def build_plan(args: argparse.Namespace, model_dir: str, tokenizer_dir: str) -> LaunchPlan:
     """The plan for model and tokenizer folders already found."""
     topology = topology_of(args)
+    log_no_effect(args)
     lora = lora_config(args)
     frontend = None
     if not topology.headless:

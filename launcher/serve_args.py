@@ -30,6 +30,7 @@ from launcher.serve_feature_args import (
     add_tracing_args,
 )
 from launcher.vllm_compat import add_compat_args
+from launcher.vllm_flags import add_negative_forms, add_vllm_flag_args
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -71,6 +72,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder or id (default: MODEL)")
     g.add_argument("--revision", default=None, help="revision of a cached HF model id")
+    g.add_argument(
+        "--tokenizer-revision",
+        default=None,
+        help="revision of a cached HF tokenizer id (default: --revision)",
+    )
     g.add_argument(
         "--max-model-len",
         type=positive_int,
@@ -121,6 +127,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--gpu-memory-utilization",
+        "--device-memory-utilization",
         type=fraction,
         default=0.9,
         help="share of a GPU's memory an engine fills: weights, its largest step and the KV "
@@ -337,6 +344,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("processes")
     g.add_argument(
         "--api-server-count",
+        "-asc",
         type=positive_int,
         default=None,
         help="API-server processes (default: the data-parallel size)",
@@ -393,6 +401,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_ray_args(p)
 
     add_compat_args(p)
+    add_vllm_flag_args(p)
+    add_negative_forms(p)
 
 
 def _run(args: argparse.Namespace) -> int:

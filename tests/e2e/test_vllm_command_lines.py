@@ -46,6 +46,17 @@ chat-template: {folder / "template.jinja"}
 default-chat-template-kwargs: {{greeting: HELLO}}
 enable-prefix-caching: false
 hf-overrides: {{max_position_embeddings: 512}}
+# launcher/vllm_flags.py: machinery zserve lacks (any value), features at vLLM's default
+attention-backend: CPU_ATTN
+enable-expert-parallel: true
+numa-bind: false
+ignore-patterns: ["original/**", "*.pt"]
+limit-mm-per-prompt: {{image: 0}}
+optimization-level: 3
+nnodes: 1
+cpu-offload-gb: 0
+scheduler-reserve-full-isl: true
+enable-prompt-embeds: false
 """
     )
     with ZServe("--config", str(folder / "config.yaml"), *SERVED_NAMES, *SMALL_KV) as s:
@@ -61,6 +72,11 @@ def test_the_config_file_and_the_accepted_flags_start_the_server(server):
         "--async-scheduling: zserve's engine schedules each step after the last",
         "--max-log-len: zserve's request lines hold no prompt text",
         'sampling defaults from --override-generation-config: {"max_tokens": 5, "temperature": 0.0}',
+        "--attention-backend: no effect: tunes GPU kernels",
+        "--enable-expert-parallel: no effect: tunes mixture-of-experts",
+        "--numa-bind: no effect: binds GPU workers to NUMA nodes",
+        "--ignore-patterns: no effect: tunes how vLLM downloads",
+        "--limit-mm-per-prompt: no effect: tunes multimodal inputs",
     ):
         assert line in log, log[-3000:]
 
