@@ -115,3 +115,18 @@ def test_every_limit_flag_has_a_safe_default():
     assert args.max_prompt_chars is None  # derived from max_model_len at run time
     assert args.header_read_timeout > 0 and args.body_read_timeout > 0
     assert parse("m", "--max-request-body-bytes", "1MiB").max_request_body_bytes == 1 << 20
+
+
+def test_tokenizer_revision_picks_the_tokenizers_snapshot(tiny_model, tmp_path, monkeypatch):
+    main = _fake_hf_cache(tmp_path, "some-org/tok")
+    other = main.parent / ("1" * 40)
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    (main.parent.parent / "refs" / "v2").write_text("1" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    model = str(tiny_model("llama"))
+    args = parse(model, "--tokenizer", "some-org/tok", "--tokenizer-revision", "v2")
+    assert Path(plan.plan_launch(args).frontend.tokenizer_dir) == other
+    args = parse(model, "--tokenizer", "some-org/tok")
+    assert Path(plan.plan_launch(args).frontend.tokenizer_dir) == main
