@@ -336,6 +336,15 @@ def _vectors(d: dict) -> list:
     return [len(vectors), len(vectors[0]), d["usage"]["prompt_tokens"], firsts]
 
 
+def _cohere(d: dict) -> list:
+    """A /v2/embed answer's keys, each type's count and width, the floats' first values
+    to two places, and the billed tokens."""
+    e = d["embeddings"]
+    shapes = {k: [len(v), len(v[0])] for k, v in e.items()}
+    firsts = [round(v[0], 2) for v in e.get("float", [])]
+    return [sorted(d), shapes, firsts, d["meta"]["billed_units"], d["response_type"]]
+
+
 POOLING: list[Case] = [
     Case("-", "texts", "POST", EMBED, {"input": ["hello world", "def f(x): return x"]},
          probe=_vectors),
@@ -374,6 +383,21 @@ POOLING: list[Case] = [
          {"data_1": ["a", "b"], "data_2": ["c", "d", "e"]}),
     Case("-", "score without documents is a 400", "POST", "/score",
          {"queries": "a", "documents": []}),
+    Case("-", "cohere embed", "POST", "/v2/embed",
+         {"texts": ["hello world", "def f(x): return x"]}, probe=_cohere),
+    Case("-", "cohere embed, every type", "POST", "/v2/embed",
+         {"texts": ["hi"], "embedding_types": ["float", "binary", "ubinary", "base64"]},
+         probe=_cohere),
+    Case("-", "cohere inputs", "POST", "/v2/embed",
+         {"inputs": [{"content": [{"type": "text", "text": "hi"}]}]}, probe=_cohere),
+    Case("-", "cohere truncate START", "POST", "/v2/embed",
+         {"texts": ["hello there world"], "truncate": "START", "max_tokens": 2}, probe=_cohere),
+    Case("-", "cohere truncate NONE past max_tokens is a 400", "POST", "/v2/embed",
+         {"texts": ["hello there world"], "truncate": "NONE", "max_tokens": 2}),
+    Case("-", "cohere input_type the model has no prompt for is a 400", "POST", "/v2/embed",
+         {"texts": ["hi"], "input_type": "search_query"}),
+    Case("-", "cohere images are a 400", "POST", "/v2/embed",
+         {"images": ["data:image/png;base64,AA=="]}),
 ]  # fmt: skip
 
 

@@ -40,6 +40,7 @@ from frontend.openai_models import (
 from frontend.openapi import build_openapi
 from frontend.pooling_input import (
     ClassificationRequest,
+    CohereEmbedRequest,
     EmbeddingRequest,
     PoolingRequest,
     RerankRequest,
@@ -51,6 +52,7 @@ from frontend.responses_input import ResponsesRequest
 from frontend.serving import ServingContext
 from frontend.serving_anthropic import count_tokens, create_message
 from frontend.serving_chat import create_batch_chat_completion, create_chat_completion
+from frontend.serving_cohere import create_cohere_embedding
 from frontend.serving_completions import create_completion
 from frontend.serving_generate import (
     abort_requests,
@@ -259,8 +261,9 @@ ROUTES: tuple[RouteSpec, ...] = (
         task="generate",
     ),
     RouteSpec("/v1/embeddings", create_embedding, ("POST",), EmbeddingRequest, task="embed"),
-    # vLLM's key guards /v1 only: /pooling, /classify, /score, /rerank and /v2/rerank are
-    # open there.
+    RouteSpec("/v2/embed", create_cohere_embedding, ("POST",), CohereEmbedRequest, task="embed"),
+    # vLLM's key guards /v1 and /v2 only: /pooling, /classify, /score and /rerank are open
+    # there.
     RouteSpec("/pooling", create_pooling, ("POST",), PoolingRequest, vllm_open=True, task="pool"),
     RouteSpec(
         "/classify",
@@ -272,7 +275,7 @@ ROUTES: tuple[RouteSpec, ...] = (
     ),
     *(
         RouteSpec(
-            path, handler, ("POST",), body, vllm_open=not path.startswith("/v1"), task="score"
+            path, handler, ("POST",), body, vllm_open=path[:3] not in ("/v1", "/v2"), task="score"
         )
         for path, handler, body in (
             ("/score", create_score, ScoreRequest),

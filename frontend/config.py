@@ -28,6 +28,9 @@ class PoolingOptions:
     task: str = "embed"  # embed | classify
     labels: list[str | None] | None = None  # classify: each label's name, by index
     use_sep_token: bool = True
+    # embed: /v2/embed's input_type → the prompt put before each text (config.json's
+    # task_instructions, or config_sentence_transformers.json's prompts).
+    task_instructions: dict[str, str] | None = None
 
 
 @dataclass

@@ -129,6 +129,56 @@ class PoolingRequest(EmbeddingRequest):
     task: Literal["embed", "classify"] | None = None
 
 
+# --- /v2/embed: Cohere's embed API, as vLLM serves it -------------------------------------
+
+
+class CohereContent(_Model):
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: dict[str, str] | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            raise ValueError("multimodal content is not supported: this model takes text only")
+        if self.text is None:
+            raise ValueError("a text content needs text")
+        return self
+
+
+class CohereInput(_Model):
+    content: list[CohereContent] = Field(..., min_length=1)
+
+
+class CohereEmbedRequest(PoolingFields):
+    """Texts (or inputs of text parts, rendered by the chat template) to embed; an
+    input_type the model names a prompt for prefixes it (config.json's
+    task_instructions, or sentence-transformers' prompts)."""
+
+    input_type: str | None = None
+    texts: list[str] | None = None
+    images: list[str] | None = None
+    inputs: list[CohereInput] | None = None
+    output_dimension: int | None = None
+    embedding_types: list[Literal["float", "binary", "ubinary", "base64"]] | None = None
+    truncate: Literal["NONE", "START", "END"] = "END"
+    max_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        given = [f for f in ("texts", "images", "inputs") if getattr(self, f) is not None]
+        if len(given) != 1 or not getattr(self, given[0]):
+            raise ValueError(
+                "texts: Exactly one of texts, images, or inputs must be provided, and it must "
+                "be non-empty"
+            )
+        if self.images is not None:
+            raise ValueError(
+                "images: multimodal inputs are not supported: this model takes text only"
+            )
+        return self
+
+
 # --- /score and /rerank: the cosine of two embeddings (vLLM's bi-encoder scoring) -------
 
 ScoreInput = str | list[str]

@@ -71,7 +71,7 @@ def _params(ctx: ServingContext, body: PoolingInputs, dimensions: int | None = N
     activate = body.use_activation
     return PoolingParams(
         use_activation=ctx.config.pooling.normalize if activate is None else activate,
-        dimensions=_dimensions(ctx, dimensions),
+        dimensions=dimensions_of(ctx, dimensions),
     )
 
 
@@ -200,28 +200,29 @@ async def input_token_ids(ctx: ServingContext, body: PoolingInputs) -> list[list
     return prompts
 
 
-def _dimensions(ctx: ServingContext, dimensions: int | None) -> int | None:
-    """`dimensions`, as the model admits it (vLLM's wording)."""
+def dimensions_of(ctx: ServingContext, dimensions: int | None, param: str = "dimensions"):
+    """`dimensions` (or Cohere's output_dimension), as the model admits it (vLLM's
+    wording)."""
     if dimensions is None:
         return None
     options, name = ctx.config.pooling, ctx.model_name
     if not options.matryoshka:
         raise APIError(
             f"Model {name!r} does not support Matryoshka embeddings; dimensions must be "
-            f"unset (received dimensions={dimensions}).",
-            param="dimensions",
+            f"unset (received {param}={dimensions}).",
+            param=param,
         )
     width = ctx.client.engines[0].ready.hidden_size
     if not 1 <= dimensions <= width:
         raise APIError(
-            f"Model {name!r} only supports dimensions in range [1, {width}], got {dimensions}.",
-            param="dimensions",
+            f"Model {name!r} only supports {param} in range [1, {width}], got {dimensions}.",
+            param=param,
         )
     allowed = options.matryoshka_dimensions
     if allowed is not None and dimensions not in allowed:
         raise APIError(
             f"Model {name!r} only supports Matryoshka dimensions {allowed}, got {dimensions}.",
-            param="dimensions",
+            param=param,
         )
     return dimensions
 

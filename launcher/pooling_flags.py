@@ -132,6 +132,9 @@ def apply_pooling(
             task=task,
             labels=classifier.labels if classifier else None,
             use_sep_token=classifier.use_sep_token if classifier else True,
+            task_instructions=task_instructions(config, Path(engine.model))
+            if task == "embed"
+            else None,
         )
     return dataclasses.replace(
         engine,
@@ -209,3 +212,15 @@ def sentence_transformers_pooling(model_dir: Path) -> dict:
             raise ValueError(f"the model's sentence-transformers pooling {name!r} is not supported")
         found["type"] = kind
     return found
+
+
+def task_instructions(config: dict, model_dir: Path) -> dict[str, str] | None:
+    """The prompt for each of /v2/embed's input types: config.json's task_instructions,
+    else config_sentence_transformers.json's prompts (vLLM's order)."""
+    found = config.get("task_instructions")
+    if not isinstance(found, dict) or not found:
+        path = model_dir / "config_sentence_transformers.json"
+        found = json.loads(path.read_text()).get("prompts") if path.is_file() else None
+    if not isinstance(found, dict) or not found:
+        return None
+    return {k: v for k, v in found.items() if isinstance(v, str)} or None

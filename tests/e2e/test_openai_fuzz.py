@@ -393,7 +393,7 @@ def test_malformed_bodies_get_an_answer_that_is_not_a_5xx(fuzz_http, route, cont
 
 # --- a pooling server (--runner pooling): /v1/embeddings and /pooling -------------------
 
-POOLING_ROUTES = ["/v1/embeddings", "/pooling", "/invocations", "/score", "/rerank"]
+POOLING_ROUTES = ["/v1/embeddings", "/pooling", "/invocations", "/score", "/rerank", "/v2/embed"]
 TEXTS = st.text(max_size=30) | st.lists(st.text(max_size=20), max_size=4)
 POOLING_FIELDS: dict[str, st.SearchStrategy] = {
     "model": FIELDS["model"],
@@ -423,6 +423,18 @@ POOLING_FIELDS: dict[str, st.SearchStrategy] = {
     "max_tokens_per_query": st.integers(min_value=-1, max_value=1100),
     "max_tokens_per_doc": st.integers(min_value=-1, max_value=1100),
     "instruction": st.text(max_size=10),
+    # /v2/embed (Cohere's)
+    "texts": st.lists(st.text(max_size=20), max_size=4),
+    "images": st.lists(st.text(max_size=10), max_size=2),
+    "inputs": st.lists(st.fixed_dictionaries({"content": st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "image_url"]), "text": st.text(max_size=10)}), max_size=3)}),
+        max_size=3),
+    "input_type": st.sampled_from(["search_query", "search_document", "image", ""]),
+    "truncate": st.sampled_from(["NONE", "START", "END", "MIDDLE"]),
+    "max_tokens": st.integers(min_value=-1, max_value=1100),
+    "embedding_types": st.lists(st.sampled_from(["float", "binary", "ubinary", "base64", "int8"]),
+                                max_size=5),
+    "output_dimension": st.integers(min_value=-2, max_value=70),
 }  # fmt: skip
 
 
@@ -447,6 +459,7 @@ POOLING_BASES = {
     "/classify": {"input": "hi"},
     "/score": {"queries": "hi", "documents": ["a", "b"]},
     "/rerank": {"query": "hi", "documents": ["a", "b"]},
+    "/v2/embed": {"texts": ["hi"]},
 }
 
 
@@ -502,6 +515,8 @@ def check_pooling_answer(http: httpx.Client, case: tuple[str, dict]) -> None:
         assert len(r.content) % 2 == 0 and r.content
     elif route == "/rerank":
         assert r.json()["results"]
+    elif route == "/v2/embed":
+        assert r.json()["response_type"] == "embeddings_by_type" and r.json()["embeddings"]
     else:
         assert r.json()["object"] == "list" and r.json()["data"]
 

@@ -51,7 +51,7 @@ def test_api_key_open_paths_are_routes_of_the_table_or_vllm(capsys):
         "/load",
     ]
     vllm_open = {"/tokenize", "/detokenize", "/invocations", "/load", "/tokenizer_info"}
-    vllm_open |= {"/pooling", "/classify", "/score", "/rerank", "/v2/rerank"}  # outside /v1
+    vllm_open |= {"/pooling", "/classify", "/score", "/rerank"}  # outside /v1 and /v2
     assert api_key_open_paths(["vllm"]) == OPEN_PATHS | vllm_open
     assert api_key_open_paths([]) == OPEN_PATHS
     with pytest.raises(SystemExit):
