@@ -94,20 +94,31 @@ async def render_messages(
     # The template copies every message's text into the prompt: refuse a conversation
     # that cannot fit before rendering it, and the rendered text before tokenizing it.
     ctx.check_text_length("".join(d["content"] for d in dicts), "messages", truncating)
+    return await render_template(
+        ctx,
+        dicts,
+        "messages",
+        truncating,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        chat_template=chat_template,
+        template_kwargs=kwargs,
+    )
+
+
+async def render_template(
+    ctx: ServingContext, dicts: list[dict], field: str, truncating: bool, **how
+) -> str:
+    """Message dicts through the chat template (`how`: Renderer.render_chat's keywords),
+    off the event loop; a failure is the request's 400, and the text must fit (`field`
+    names what made it)."""
     try:
-        text = await asyncio.to_thread(
-            ctx.renderer.render_chat,
-            messages=dicts,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            chat_template=chat_template,
-            template_kwargs=kwargs,
-        )
+        text = await asyncio.to_thread(ctx.renderer.render_chat, messages=dicts, **how)
     except Exception as e:  # a template only fails on what the request put into it
         raise template_error(e) from None
     if not isinstance(text, str):
         raise APIError("chat_template_kwargs: the chat template did not render text")
-    ctx.check_text_length(text, "messages", truncating)
+    ctx.check_text_length(text, field, truncating)
     return text
 
 

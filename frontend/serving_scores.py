@@ -15,7 +15,7 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend.chat_prompt import RESERVED_TEMPLATE_KWARGS, template_error
+from frontend.chat_prompt import RESERVED_TEMPLATE_KWARGS, render_template
 from frontend.errors import APIError
 from frontend.pooling_input import RerankRequest, ScoreRequest, ScoringFields
 from frontend.request_inputs import read_inputs
@@ -166,19 +166,9 @@ async def _score_template(
             param="chat_template_kwargs",
         )
     messages = [{"role": "query", "content": query}, {"role": "document", "content": doc}]
-    try:
-        text = await asyncio.to_thread(
-            ctx.renderer.render_chat,
-            messages=messages,
-            add_generation_prompt=False,
-            template_kwargs=kwargs,
-        )
-    except Exception as e:  # a template only fails on what the request put into it
-        raise template_error(e) from None
-    if not isinstance(text, str):
-        raise APIError("chat_template_kwargs: the chat template did not render text")
-    ctx.check_text_length(text, "documents", truncating)
-    return text
+    return await render_template(
+        ctx, messages, "documents", truncating, add_generation_prompt=False, template_kwargs=kwargs
+    )
 
 
 def _texts(value: str | list[str]) -> list[str]:

@@ -220,3 +220,14 @@ def post_while_probing(http: httpx.Client, path: str, body: dict) -> httpx.Respo
         time.sleep(0.2)
     worker.join()
     return answers[0]
+
+
+def assert_memory_returns(server: ZServe, baseline: dict[str, int], what: str = "") -> None:
+    """Each process's resident memory comes back to within 50 MB of `baseline` (rss())."""
+    limit = 50 * 1000 * 1000
+
+    def settled() -> bool:
+        now = rss(server)
+        return all(now.get(role, 0) - size < limit for role, size in baseline.items())
+
+    wait_for(settled, timeout=30, interval=1, what=what or f"memory to return from {baseline}")

@@ -20,9 +20,9 @@ from e2e_http import (
     SERVED_NAMES,
     SMALL_KV,
     assert_error,
+    assert_memory_returns,
     post_while_probing,
     rss,
-    wait_for,
 )
 from hf_generate import reference_model
 from tiny_classifier import build_classifier, reference_classifier
@@ -248,10 +248,4 @@ def test_a_maximal_rerank_leaves_health_up_and_memory_bounded(ce_server, ce):
     assert r.status_code == 200 and len(r.json()["results"]) == 1023
     stats = httpx.get(ce_server.base_url + "/server_info").json()["engines"][0]["stats"]
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
-    limit = 50 * 1000 * 1000
-
-    def settled() -> bool:
-        now = rss(ce_server)
-        return all(now.get(role, 0) - size < limit for role, size in baseline.items())
-
-    wait_for(settled, timeout=30, interval=1, what="memory to return")
+    assert_memory_returns(ce_server, baseline)

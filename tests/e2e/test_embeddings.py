@@ -21,6 +21,7 @@ from e2e_http import (
     SERVED_NAMES,
     SMALL_KV,
     assert_error,
+    assert_memory_returns,
     post_while_probing,
     rss,
     wait_for,
@@ -226,13 +227,7 @@ def test_a_maximal_request_leaves_health_up_and_memory_bounded(server, http):
     assert r.status_code == 200 and len(r.json()["data"]) == 1023
     stats = httpx.get(server.base_url + "/server_info").json()["engines"][0]["stats"]
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
-    limit = 50 * 1000 * 1000
-
-    def settled() -> bool:
-        now = rss(server)
-        return all(now.get(role, 0) - size < limit for role, size in baseline.items())
-
-    wait_for(settled, timeout=30, interval=1, what="memory to return")
+    assert_memory_returns(server, baseline)
 
 
 def test_a_client_that_goes_away_frees_its_inputs_in_the_engine(server):

@@ -16,7 +16,16 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-from e2e_http import MODEL, SERVED_NAMES, SMALL_KV, assert_error, raw_exchange, rss, wait_for
+from e2e_http import (
+    MODEL,
+    SERVED_NAMES,
+    SMALL_KV,
+    assert_error,
+    assert_memory_returns,
+    raw_exchange,
+    rss,
+    wait_for,
+)
 from zserve_proc import ZServe
 
 pytestmark = pytest.mark.timeout(180)
@@ -351,10 +360,4 @@ def test_memory_returns_to_its_level_after_the_attacks(server, http, baseline):
     ids = [f"{i:04}" + "r" * 252 for i in range(1024)]
     r = http.post("/inference/v1/abort_requests", json={"request_ids": ids})
     assert r.status_code == 200 and r.json() == {"aborted": []}
-    limit = 50 * 1000 * 1000
-
-    def settled() -> bool:
-        now = rss(server)
-        return all(now.get(role, 0) - size < limit for role, size in baseline.items())
-
-    wait_for(settled, timeout=30, interval=1, what=f"memory to return: {baseline} -> {rss(server)}")
+    assert_memory_returns(server, baseline)
