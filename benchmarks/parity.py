@@ -29,7 +29,11 @@ from typing import Any
 
 import httpx
 
-from benchmarks.parity_cases import PROFILES, Case, sent_keys
+from benchmarks import parity_pooling
+from benchmarks.parity_cases import PROFILES as GENERATING
+from benchmarks.parity_cases import Case, sent_keys
+
+PROFILES = {**GENERATING, **parity_pooling.PROFILES}
 
 
 @dataclass

@@ -223,8 +223,7 @@ class PoolingParams(_Wire):
     """A pooling request (--runner pooling): its prompt's final hidden states pooled
     into one vector (engine_core/pooler.py) instead of a generation."""
 
-    # An embedding normalized to unit length; a classification's activation applied.
-    use_activation: bool = True
+    use_activation: bool = True  # an embedding normalized; a classifier's activation run
     dimensions: int | None = None  # the first N only (Matryoshka), before normalizing
 
 
