@@ -60,8 +60,7 @@ async def render_messages(
     """The conversation as prompt text, through the model's (or a trusted request's)
     chat template, with `tools` (validated) as transformers' templates take them; any
     failure of the template is the request's fault: a 400."""
-    # --default-chat-template-kwargs under the request's own (checked at start)
-    kwargs = {**ctx.config.default_chat_template_kwargs, **(chat_template_kwargs or {})}
+    kwargs = template_kwargs(ctx, chat_template_kwargs)
     if "chat_template" in kwargs:
         chat_template = kwargs.pop("chat_template")
     if chat_template is not None and not ctx.config.trust_request_chat_template:
@@ -69,14 +68,6 @@ async def render_messages(
             "chat_template: request-supplied chat templates are refused; start the server "
             "with --trust-request-chat-template to allow them",
             param="chat_template",
-        )
-    # These are the renderer's own arguments, not template variables.
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
-    if reserved:
-        raise APIError(
-            f"chat_template_kwargs: {reserved[0]!r} is not a template variable; use the "
-            f"request field of that name",
-            param="chat_template_kwargs",
         )
     if chat_template is None and not ctx.renderer.has_chat_template:
         raise APIError(
@@ -104,6 +95,20 @@ async def render_messages(
         chat_template=chat_template,
         template_kwargs=kwargs,
     )
+
+
+def template_kwargs(ctx: ServingContext, request_kwargs: dict | None) -> dict:
+    """The template variables: --default-chat-template-kwargs under the request's own
+    (checked at start); the renderer's own arguments are refused, named."""
+    kwargs = {**ctx.config.default_chat_template_kwargs, **(request_kwargs or {})}
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise APIError(
+            f"chat_template_kwargs: {reserved[0]!r} is not a template variable; use the "
+            f"request field of that name",
+            param="chat_template_kwargs",
+        )
+    return kwargs
 
 
 async def render_template(

@@ -19,6 +19,7 @@ from frontend.generation import Generation
 from frontend.pooling_input import (
     ClassificationRequest,
     EmbeddingRequest,
+    PoolingFields,
     PoolingInputs,
     PoolingRequest,
 )
@@ -46,7 +47,7 @@ async def create_classify(ctx: ServingContext, request: Request) -> Response:
     inputs = await read_inputs(ctx, request, ClassificationRequest, num_inputs, "input")
     body = inputs.body
     prompts = await input_token_ids(ctx, body)
-    vectors, generation = await pool(ctx, inputs, prompts, _params(ctx, body), request)
+    vectors, generation = await pool(ctx, inputs, prompts, pooling_params(ctx, body), request)
     labels = ctx.config.pooling.labels or []
     data = []
     for i, probs in enumerate(vectors):
@@ -66,7 +67,7 @@ async def create_classify(ctx: ServingContext, request: Request) -> Response:
     return json_response(payload, generation_headers(ctx, generation))
 
 
-def _params(ctx: ServingContext, body: PoolingInputs, dimensions: int | None = None):
+def pooling_params(ctx: ServingContext, body: PoolingFields, dimensions: int | None = None):
     """The engine's pooling parameters: use_activation, or the server's default."""
     activate = body.use_activation
     return PoolingParams(
@@ -90,7 +91,7 @@ async def _pool(
         raise APIError(
             f"task: Unsupported task: {body.task!r}; this model's task is {task!r}", param="task"
         )
-    params = _params(ctx, body, body.dimensions)
+    params = pooling_params(ctx, body, body.dimensions)
     prompts = await input_token_ids(ctx, body)
     vectors, generation = await pool(ctx, inputs, prompts, params, request)
     headers = generation_headers(ctx, generation)

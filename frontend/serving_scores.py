@@ -15,14 +15,14 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from frontend.chat_prompt import RESERVED_TEMPLATE_KWARGS, render_template
+from frontend.chat_prompt import render_template, template_kwargs
 from frontend.errors import APIError
 from frontend.pooling_input import RerankRequest, ScoreRequest, ScoringFields
 from frontend.request_inputs import read_inputs
 from frontend.responses import generation_headers, json_response
 from frontend.sampling import context_length_error, truncation
 from frontend.serving import ServingContext
-from frontend.serving_pooling import pool, usage
+from frontend.serving_pooling import pool, pooling_params, usage
 from frontend.tokenizer_pool import INLINE_CHARS
 from protocol.messages import PoolingParams
 
@@ -115,9 +115,7 @@ async def _cross_encoded(ctx, request, inputs, queries, documents, sides):
         else:
             text = await _score_template(ctx, body, query, document, cut is not None)
             prompts.append(await ctx.encode(text, True, cut, room=0))
-    activate = ctx.config.pooling.normalize if body.use_activation is None else body.use_activation
-    params = PoolingParams(use_activation=activate)
-    vectors, generation = await pool(ctx, inputs, prompts, params, request)
+    vectors, generation = await pool(ctx, inputs, prompts, pooling_params(ctx, body), request)
     scores = [float(v[0]) for v in vectors]
     return scores, sum(map(len, prompts)), generation_headers(ctx, generation)
 
@@ -156,15 +154,9 @@ async def _score_template(
 ) -> str:
     """The pair through the server's --chat-template as the messages of roles query and
     document (vLLM's score template; `instruction` is a template variable too)."""
-    kwargs = {**ctx.config.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
+    kwargs = template_kwargs(ctx, body.chat_template_kwargs)
     if body.instruction is not None:
         kwargs.setdefault("instruction", body.instruction)
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
-    if reserved:
-        raise APIError(
-            f"chat_template_kwargs: {reserved[0]!r} is not a template variable",
-            param="chat_template_kwargs",
-        )
     messages = [{"role": "query", "content": query}, {"role": "document", "content": doc}]
     return await render_template(
         ctx, messages, "documents", truncating, add_generation_prompt=False, template_kwargs=kwargs
@@ -186,13 +178,8 @@ async def _token_ids(
 ) -> list[int]:
     """A text's token ids: cut to its first `at_most` tokens first (0: whole, else the
     text may be longer than the context), then tokenized with the special tokens."""
-    if at_most:
-        if len(text) > INLINE_CHARS:
-            text = await asyncio.to_thread(_first_tokens, ctx, text, at_most)
-        else:
-            text = _first_tokens(ctx, text, at_most)
     cut = truncation(body, ctx.max_model_len)
-    ctx.check_text_length(text, field, truncating=cut is not None)
+    text = await _first(ctx, text, at_most, field, cut)
     ids = await ctx.encode(text, True, cut, room=0)
     if not ids:
         raise APIError(f"{field}: a text has no tokens once tokenized", param=field)

@@ -141,7 +141,12 @@ def test_refusals_name_the_field(http):
 
 
 def test_a_maximal_request_leaves_health_up(http):
-    """--max-prompts-per-request texts filling the body, each cut to the context."""
+    """--max-prompts-per-request texts filling the body, each cut to the context; and one
+    input of as many text parts as the body holds (290k), cut to the context."""
     body = {"texts": ["word " * 1400] * 1024, "truncate": "END"}
     r = post_while_probing(http, "/v2/embed", body)
     assert r.status_code == 200 and len(r.json()["embeddings"]["float"]) == 1024
+    parts = [{"type": "text", "text": "a"}] * 290_000
+    r = post_while_probing(http, "/v2/embed", {"inputs": [{"content": parts}], "truncate": "END"})
+    assert r.status_code == 200
+    assert r.json()["meta"]["billed_units"]["input_tokens"] == MAX_MODEL_LEN
