@@ -616,7 +616,11 @@ def test_a_resume_cancels_a_pause_still_waiting_and_bad_pause_parameters_are_400
 def test_abort_requests_ends_them_on_every_api_server_and_engine(deployment, http):
     """Streams on both API servers and both engines, each on its own connection; one
     abort, on whichever API server its connection lands, ends every one of them
-    (vLLM's abort reaches only the requests of the API server it lands on)."""
+    (vLLM's abort reaches only the requests of the API server it lands on).
+
+    The engines are paused (mode keep) while the streams are placed and again once each
+    has its first token, so that none can finish before the abort however slow the
+    placement is: the abort ends running requests, frozen where they are."""
     body = {
         "token_ids": [1, 72, 80],
         "sampling_params": {"max_tokens": UNDER_LOAD_TOKENS, "ignore_eos": True},
@@ -625,6 +629,7 @@ def test_abort_requests_ends_them_on_every_api_server_and_engine(deployment, htt
     with contextlib.ExitStack() as open_streams:
         streams: dict[str, tuple[httpx.Response, object]] = {}
         placed: set[tuple[str, str]] = set()
+        assert http.post("/pause?mode=keep").status_code == 200
         for i in range(40):
             if len(placed) == 4:
                 break
@@ -640,11 +645,14 @@ def test_abort_requests_ends_them_on_every_api_server_and_engine(deployment, htt
                     headers=headers,
                 )
             )
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")  # running: its first token is out
-            streams[f"generate-tokens-ab{i}"] = (r, lines)
+            streams[f"generate-tokens-ab{i}"] = (r, r.iter_lines())
             placed.add((r.headers["x-api-server"], r.headers["x-engine-rank"]))
         assert len(placed) == 4, placed
+        assert http.post("/resume").status_code == 200
+        for _, lines in streams.values():
+            assert next(lines).startswith("data: ")  # running: its first token is out
+        assert http.post("/pause?mode=keep").status_code == 200
+        assert sum(s["num_running"] for s in stats(http)) == len(streams)
         assert (
             http.post("/inference/v1/abort_requests", json={"request_ids": []}).status_code == 200
         )
@@ -655,6 +663,7 @@ def test_abort_requests_ends_them_on_every_api_server_and_engine(deployment, htt
         asked = [*streams, "never-sent"]
         r = fresh(http, "POST", "/inference/v1/abort_requests", json={"request_ids": asked})
         assert r.status_code == 200 and r.json() == {"aborted": sorted(streams, key=asked.index)}
+        assert http.post("/resume").status_code == 200
         for rid, (_, lines) in streams.items():
             rest = [line for line in lines if line]
             assert rest[-1] == "data: [DONE]", (rid, rest[-2:])
