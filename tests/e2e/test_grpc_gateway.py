@@ -48,6 +48,9 @@ class Gateway:
             "--worker-urls", *(f"grpc://{w.target}" for w in workers),
             "--model-path", str(model_path), "--policy", "round_robin",
             "--prometheus-port", str(free_port()),  # two gateways may run at once
+            # At the end of a module no request is in flight: a kept-alive client
+            # connection must not hold the exit for the default 180 s (then SIGKILL).
+            "--shutdown-grace-period-secs", "1",
         ]  # fmt: skip
         self.proc: subprocess.Popen | None = None
 
