@@ -143,9 +143,6 @@ ZS_INTERNAL extern __thread int zs_amx_shape;
 /* Loads tile shape `shape` unless it is this thread's already: tile t of rows[t] rows of
  * 64 bytes (0: unused). */
 ZS_INTERNAL void zs_amx_load(int shape, const uint8_t rows[8]);
-/* The same, tracked in `*loaded` (a copy of zs_amx_shape the caller keeps in a local
- * across many loads and writes back). */
-ZS_INTERNAL void zs_amx_load_at(int *loaded, int shape, const uint8_t rows[8]);
 /* Gives the calling thread's tiles back (a caller's, after a job; the pool's workers
  * keep theirs). */
 ZS_INTERNAL void zs_amx_release(void);

@@ -157,10 +157,8 @@ int zs_amx_ready(void) {
 
 __thread int zs_amx_shape; /* this thread's loaded shape (0: none) */
 
-void zs_amx_load(int shape, const uint8_t rows[8]) { zs_amx_load_at(&zs_amx_shape, shape, rows); }
-
-void zs_amx_load_at(int *loaded, int shape, const uint8_t rows[8]) {
-    if (*loaded == shape) return;
+void zs_amx_load(int shape, const uint8_t rows[8]) {
+    if (zs_amx_shape == shape) return;
     struct {
         uint8_t palette, start;
         uint8_t reserved[14];
@@ -177,7 +175,7 @@ void zs_amx_load_at(int *loaded, int shape, const uint8_t rows[8]) {
      * when this is not inlined: make them happen. */
     __asm__ __volatile__("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
-    *loaded = shape;
+    zs_amx_shape = shape;
 }
 
 void zs_amx_release(void) {
@@ -190,9 +188,9 @@ void zs_amx_release(void) {
 /* The tile shapes for up to 32 rows of x, R0 in the first 16 and R1 in the next:
  * C (R x 16 fp32) for each block and 16-column half in tiles 0-3, A (R x 32 bf16) of
  * each block in 4 and 5, B (16 K-pairs x 16 columns) of each half in 6 and 7. */
-static void amx_configure(int *loaded, int r0, int r1) {
+static void amx_configure(int r0, int r1) {
     const uint8_t rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
-    zs_amx_load_at(loaded, r0 + 32 * r1 + 1, rows);
+    zs_amx_load(r0 + 32 * r1 + 1, rows);
 }
 
 /* linear_rows on the tile unit: R <= 32 rows, K a multiple of 32, each B tile read
@@ -200,10 +198,10 @@ static void amx_configure(int *loaded, int r0, int r1) {
  * epilogue. */
 static inline __attribute__((always_inline)) void linear_rows_amx(
     const bf16 *x, int64_t xs, const bf16 *tile, int64_t k, int R, float *acc,
-    const bf16 *next, int *loaded) {
+    const bf16 *next) {
     const int r0 = R < 16 ? R : 16, r1 = R - r0;
     const int64_t xb = xs * (int64_t)sizeof(bf16), bb = 2 * ZS_TILE * sizeof(bf16);
-    amx_configure(loaded, r0, r1);
+    amx_configure(r0, r1);
     _tile_zero(0);
     _tile_zero(1);
     if (r1) {
@@ -253,10 +251,6 @@ struct linear_job {
 /* linear_tiles on the tile unit: 32 rows at a time through `acc` to the epilogue. */
 static void linear_tiles_amx(const struct linear_job *j, int64_t begin, int64_t end) {
     float acc[32 * 32];
-    /* The thread's loaded shape, read and written back once a chunk: a thread-local in
-     * a shared library costs a call (__tls_get_addr) each time it is touched, and a
-     * batch-128 step touched it once a tile and 32 rows (~1 % of the step). */
-    int loaded = zs_amx_shape;
     const int64_t pairs = (j->k + 1) / 2, width = tile_cols(j->gated);
     const int64_t tiles = (j->n + width - 1) / width, ahead = zs_active_threads();
     for (int64_t t = begin; t < end; t++) {
@@ -271,7 +265,7 @@ static void linear_tiles_amx(const struct linear_job *j, int64_t begin, int64_t 
             /* The first block of a tile also fetches this thread's likely next one. */
             const bf16 *next =
                 r0 == 0 && t + ahead < tiles ? tile + ahead * pairs * 2 * ZS_TILE : NULL;
-            linear_rows_amx(j->x + r0 * j->xs, j->xs, tile, j->k, rows, acc, next, &loaded);
+            linear_rows_amx(j->x + r0 * j->xs, j->xs, tile, j->k, rows, acc, next);
             for (int r = 0; r < rows; r++) {
                 const int64_t at = (r0 + r) * j->ys + t * width;
                 store_row(_mm512_loadu_ps(acc + r * 32), _mm512_loadu_ps(acc + r * 32 + 16),
@@ -280,7 +274,6 @@ static void linear_tiles_amx(const struct linear_job *j, int64_t begin, int64_t 
             }
         }
     }
-    zs_amx_shape = loaded;
 }
 #endif
 
