@@ -2,18 +2,20 @@
 *ForSequenceClassification checkpoint): /classify, /pooling and /invocations answer
 transformers' own probabilities; a one-label model (a cross-encoder) scores /score and
 /rerank pairs as the tokenizer joins them; an LLM as reranker (classifier_from_token)
-scores its yes against its no; routes of other tasks are not served; a maximal request
-leaves /health up and memory bounded."""
+scores its yes against its no; routes of other tasks are not served (the gRPC door's
+Embed included); a maximal request leaves /health up and memory bounded."""
 
 from __future__ import annotations
 
 import json
 import time
 
+import grpc
 import httpx
 import numpy as np
 import pytest
 import torch
+from e2e_grpc import GRPCZServe
 from e2e_http import (
     MAX_MODEL_LEN,
     MODEL,
@@ -25,6 +27,8 @@ from e2e_http import (
     rss,
 )
 from hf_generate import reference_model
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated.vllm_engine_pb2_grpc import VllmEngineStub
 from tiny_classifier import build_classifier, reference_classifier
 from transformers import AutoTokenizer
 from zserve_proc import ZServe
@@ -249,3 +253,20 @@ def test_a_maximal_rerank_leaves_health_up_and_memory_bounded(ce_server, ce):
     stats = httpx.get(ce_server.base_url + "/server_info").json()["engines"][0]["stats"]
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     assert_memory_returns(ce_server, baseline)
+
+
+def test_the_grpc_door_of_a_classifier_refuses_embed_and_names_classify(classifier):
+    """The gRPC proto has no classify RPC: Embed on a classifier is UNIMPLEMENTED and
+    says where classification is served, and the model info says it does not generate."""
+    with GRPCZServe(str(classifier), *SERVED_NAMES, *SMALL_KV) as worker:
+        with worker.channel() as channel:
+            stub = VllmEngineStub(channel)
+            request = pb.EmbedRequest(tokenized=pb.TokenizedInput(input_ids=[72, 101, 108]))
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Embed(request, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert "/classify" in refused.value.details()
+            assert not stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).is_generation
+            assert stub.HealthCheck(pb.HealthCheckRequest(), timeout=10).healthy
+        log = worker.log()
+    assert "Traceback" not in log, log[-4000:]
