@@ -56,14 +56,7 @@ async def create_classify(ctx: ServingContext, request: Request) -> Response:
         data.append(
             {"index": i, "label": label, "probs": probs.tolist(), "num_classes": len(probs)}
         )
-    payload = {
-        "id": f"classify-{inputs.request_id}",
-        "object": "list",
-        "created": int(time.time()),
-        "model": inputs.model,
-        "data": data,
-        "usage": usage(sum(map(len, prompts))),
-    }
+    payload = list_body(f"classify-{inputs.request_id}", inputs.model, data, sum(map(len, prompts)))
     return json_response(payload, generation_headers(ctx, generation))
 
 
@@ -109,17 +102,8 @@ async def _pool(
         encode = lambda v: base64.b64encode(_binary(v, body.embed_dtype, body.endianness)).decode()  # noqa: E731
     else:
         encode = np.ndarray.tolist
-    return json_response(
-        {
-            "id": id_,
-            "object": "list",
-            "created": created,
-            "model": inputs.model,
-            "data": [{"index": i, "object": kind, key: encode(v)} for i, v in enumerate(vectors)],
-            "usage": usage(num_tokens),
-        },
-        headers,
-    )
+    data = [{"index": i, "object": kind, key: encode(v)} for i, v in enumerate(vectors)]
+    return json_response(list_body(id_, inputs.model, data, num_tokens, created), headers)
 
 
 async def pool(
@@ -148,6 +132,20 @@ async def pool(
             headers={"Retry-After": "1"},
         )
     return [np.frombuffer(c.pooled, dtype="<f4") for c in generation.choices], generation
+
+
+def list_body(
+    id_: str, model: str, data: list, num_tokens: int, created: int | None = None
+) -> dict:
+    """The list answer of embeddings, classifications and scores (vLLM's shape)."""
+    return {
+        "id": id_,
+        "object": "list",
+        "created": int(time.time()) if created is None else created,
+        "model": model,
+        "data": data,
+        "usage": usage(num_tokens),
+    }
 
 
 def usage(num_tokens: int) -> dict:

@@ -9,7 +9,6 @@ text: an LLM as reranker), scored by the classifier's probability.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import numpy as np
 from starlette.requests import Request
@@ -22,7 +21,7 @@ from frontend.request_inputs import read_inputs
 from frontend.responses import generation_headers, json_response
 from frontend.sampling import context_length_error, truncation
 from frontend.serving import ServingContext
-from frontend.serving_pooling import pool, pooling_params, usage
+from frontend.serving_pooling import list_body, pool, pooling_params
 from frontend.tokenizer_pool import INLINE_CHARS
 from protocol.messages import PoolingParams
 
@@ -33,15 +32,9 @@ async def create_score(ctx: ServingContext, request: Request) -> Response:
     first, second = body.sides
     scores, num_tokens, headers = await _scores(ctx, request, inputs, first, second)
     data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
-    payload = {
-        "id": f"score-{inputs.request_id}",
-        "object": "list",
-        "created": int(time.time()),
-        "model": inputs.model,
-        "data": data,
-        "usage": usage(num_tokens),
-    }
-    return json_response(payload, headers)
+    return json_response(
+        list_body(f"score-{inputs.request_id}", inputs.model, data, num_tokens), headers
+    )
 
 
 async def create_rerank(ctx: ServingContext, request: Request) -> Response:
