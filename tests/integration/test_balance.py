@@ -294,6 +294,9 @@ def test_a_dead_api_server_is_restarted_and_engines_keep_serving(two_by_two):
             break
         resp.close()
     assert in_flight is not None
+    # Its first token is out, so an engine holds it: the response's headers come before
+    # the request reaches an engine, and a kill in between could lose it on the way.
+    assert next(line for line in in_flight.iter_lines() if line).startswith("data: ")
     os.kill(victim, signal.SIGKILL)
     # the other API server keeps serving on the same port meanwhile
     deadline = time.monotonic() + 60
