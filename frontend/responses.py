@@ -8,11 +8,10 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from urllib.parse import quote
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from frontend import orca
+from frontend import orca, sse
 from frontend.errors import APIError
 from frontend.generation import Generation
 from frontend.request_inputs import ClientDisconnected
@@ -151,4 +150,4 @@ def header_safe(value: str) -> str:
 
 
 def json_response(payload: dict, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps(payload), media_type="application/json", headers=headers)
+    return Response(sse.dumps(payload), media_type="application/json", headers=headers)

@@ -16,11 +16,11 @@ import dataclasses
 import json
 from collections.abc import AsyncIterator
 
-import orjson
 from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from frontend import sse
 from frontend.anthropic_input import CountTokensRequest, MessagesRequest, chat_request
 from frontend.chat_output import ChatOutputParser
 from frontend.chat_prompt import render_prompt
@@ -171,17 +171,13 @@ class MessagesView(BlockStream, GenerationView):
     @staticmethod
     def _event(kind: str, **fields) -> bytes:
         return (
-            b"event: "
-            + kind.encode()
-            + b"\ndata: "
-            + orjson.dumps({"type": kind, **fields})
-            + b"\n\n"
+            b"event: " + kind.encode() + b"\ndata: " + sse.dumps({"type": kind, **fields}) + b"\n\n"
         )
 
     def error_event(self, error: dict) -> bytes:
         e = error["error"]
         body = anthropic_error(e["message"], e.get("code") or 500)
-        return b"event: error\ndata: " + orjson.dumps(body) + b"\n\n"
+        return b"event: error\ndata: " + sse.dumps(body) + b"\n\n"
 
     async def events(self) -> AsyncIterator[bytes]:
         start = self._message([], (None, None))

@@ -17,11 +17,11 @@ import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 
-import orjson
 from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from frontend import sse
 from frontend.chat_output import ChatOutputParser
 from frontend.errors import APIError
 from frontend.generation import ChoiceDelta, Generation
@@ -199,7 +199,7 @@ class ResponsesView(BlockStream, GenerationView):
     def _event(self, kind: str, **fields) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+        return b"event: " + kind.encode() + b"\ndata: " + sse.dumps(payload) + b"\n\n"
 
     def error_event(self, error: dict) -> bytes:
         e = error["error"]

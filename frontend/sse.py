@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import json
+
 import orjson
 
 DONE = b"data: [DONE]\n\n"
 KEEP_ALIVE = b": keep-alive\n\n"
 
 
+def dumps(payload: dict) -> bytes:
+    """Hot path: an answer's JSON. orjson refuses integers past 64 bits, which an answer
+    holds only where it echoes a client's free-form field (a Responses request's
+    `reasoning`, say); those go through the standard library's encoder, as vLLM's do."""
+    try:
+        return orjson.dumps(payload)
+    except TypeError as e:
+        if "64-bit" not in str(e):
+            raise
+        return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 def event(payload: dict) -> bytes:
     """Hot path: one call per streamed chunk."""
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+    return b"data: " + dumps(payload) + b"\n\n"

@@ -194,3 +194,22 @@ def test_nothing_is_stored_so_retrieving_is_a_404(tools_client, tools_http):
         tools_client.responses.retrieve(r.id)
     cancel = tools_http.post(f"{RESPONSES}/{'r' * 5000}/cancel")
     assert cancel.status_code == 404 and len(cancel.content) < 1000
+
+
+def test_a_free_form_field_past_64_bit_integers_is_echoed_whole(tools_http):
+    """The response echoes `reasoning` as sent: an integer orjson cannot encode goes out
+    through the standard library's encoder, whole and streamed (the fuzz test found a 500)."""
+    huge = -(2**63) - 1
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "reasoning": {"x": huge}}
+    r = tools_http.post(RESPONSES, json=body)
+    assert r.status_code == 200, r.text
+    assert json.loads(r.text)["reasoning"] == {"x": huge}
+    streamed = tools_http.post(RESPONSES, json={**body, "stream": True})
+    assert streamed.status_code == 200
+    echoes = [
+        json.loads(line[len("data: ") :])["response"]["reasoning"]
+        for line in streamed.text.splitlines()
+        if line.startswith("data: ") and '"response":' in line
+    ]
+    assert echoes and all(e == {"x": huge} for e in echoes), echoes
+    assert "event: response.completed" in streamed.text and "event: error" not in streamed.text
