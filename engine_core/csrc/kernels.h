@@ -94,6 +94,13 @@ void zs_linear(const bf16 *x, int64_t xs, const bf16 *packed, const float *bias,
                int64_t n, int64_t k, int gated, void *y, int64_t ys, int out_f32);
 /* Threads a job may use now, the caller included. */
 ZS_INTERNAL int zs_active_threads(void);
+/* The grain for n items of even, cheap work (a norm's rows): about 8 chunks a thread,
+ * at least `least` items each, so claiming chunks stays a small part of the work (a
+ * 2048-row prompt step's norms were 1024 claims each). */
+static inline int64_t zs_even_grain(int64_t n, int64_t least) {
+    const int64_t per = 8 * (int64_t)zs_active_threads(), g = (n + per - 1) / per;
+    return g > least ? g : least;
+}
 /* The first key a row of row_len `len` attends to: a sliding window starts late. */
 static inline int64_t zs_first_key(int64_t len, int64_t window) {
     return (window > 0 && len > window) ? len - window : 0;

@@ -99,5 +99,5 @@ void zs_rms_norm(const bf16 *x, int64_t x_stride, bf16 *residual, int64_t res_st
                  const bf16 *weight, bf16 *out, int64_t out_stride, int64_t rows,
                  int64_t hidden, float eps) {
     const struct rms_job j = {x, x_stride, residual, res_stride, weight, out, out_stride, hidden, eps};
-    zs_parallel(rows, 2, rows * hidden >= ZS_PARALLEL_MIN, rms_rows, &j);
+    zs_parallel(rows, zs_even_grain(rows, 2), rows * hidden >= ZS_PARALLEL_MIN, rms_rows, &j);
 }

@@ -67,5 +67,5 @@ void zs_rope_store(bf16 *qkv, int64_t row_stride, const int64_t *positions, cons
                    bf16 *v_cache, const int64_t *slots, int64_t block_size) {
     const struct rope_job j = {qkv, row_stride, positions, cos, sin, hq, hkv, d, q_norm,
                                k_norm, eps, k_cache, v_cache, slots, block_size};
-    zs_parallel(rows, 2, rows * (hq + hkv) * d >= ZS_PARALLEL_MIN, rope_rows, &j);
+    zs_parallel(rows, zs_even_grain(rows, 2), rows * (hq + hkv) * d >= ZS_PARALLEL_MIN, rope_rows, &j);
 }

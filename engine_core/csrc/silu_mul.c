@@ -46,5 +46,5 @@ static void silu_rows(const void *job, int64_t begin, int64_t end) {
 void zs_silu_mul(const bf16 *gate_up, int64_t in_stride, bf16 *out, int64_t out_stride,
                  int64_t rows, int64_t inter) {
     const struct silu_job j = {gate_up, in_stride, out, out_stride, inter};
-    zs_parallel(rows, 2, rows * inter >= ZS_PARALLEL_MIN, silu_rows, &j);
+    zs_parallel(rows, zs_even_grain(rows, 2), rows * inter >= ZS_PARALLEL_MIN, silu_rows, &j);
 }
