@@ -181,6 +181,11 @@ class FusedDecoder:
             raise IndexError(f"logits row {int(logits_indices[-bad - 1])} of a {n}-row step")
         return logits
 
+    def use_build(self, kernels: CpuKernels) -> None:
+        """Run the forward of another build of the kernels from now on (benchmarks
+        compare builds on one engine); every build reads the same packed weights."""
+        self._run, self._scratch_len = kernels.decoder, kernels.decoder_scratch
+
     def scratch_len(self, n: int, m: int) -> int:
         """bf16 elements of the call's scratch for n rows, m of them sampled (decoder.c
         lays it out and counts it)."""

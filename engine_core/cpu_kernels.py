@@ -381,10 +381,10 @@ def load(portable: bool = False) -> CpuKernels | None:
     return _loaded[portable]
 
 
-def build(portable: bool = False) -> Path:
+def build(portable: bool = False, source: Path = SOURCE_DIR) -> Path:
     """Compile csrc/*.c into one library for this CPU, in the cache (once; concurrent
     builders each write a private file and the last rename wins, so no one sees a
-    partial one)."""
+    partial one). `source`: another checkout's csrc (benchmarks compare builds)."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if not compiler:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
@@ -394,9 +394,9 @@ def build(portable: bool = False) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=30
     ).stdout
-    sources = sorted(SOURCE_DIR.glob("*.c"))
+    sources = sorted(source.glob("*.c"))
     # Every source by name and content: a header counts as much as a .c.
-    inputs = sorted([*sources, *SOURCE_DIR.glob("*.h")])
+    inputs = sorted([*sources, *source.glob("*.h")])
     files = [b"%s\0%s" % (p.name.encode(), p.read_bytes()) for p in inputs]
     key = hashlib.sha256(
         b"\0".join([*files, " ".join(flags).encode(), version.encode(), _cpu_identity()])

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,3 +68,23 @@ def test_the_limits_count_the_models_weights_and_reads(tiny_model):
     floor_ms = (2 * params + kv_bytes) / lim["read_bytes_s"] * 1e3
     assert fig["memory_floor_ms"] == pytest.approx(floor_ms)
     assert fig["of_matmul_rate"] == pytest.approx(flops * 1e3 / lim["matmul_flops"])
+
+
+def test_kernels_ab_compares_builds_on_one_engine(tiny_model, tmp_path):
+    # The same sources twice (one in a copy elsewhere): both builds run, each is timed,
+    # and the second's ratios to the first are printed.
+    root = Path(__file__).resolve().parents[2]
+    copy = tmp_path / "copy"
+    shutil.copytree(root / "engine_core" / "csrc", copy / "engine_core" / "csrc")
+    run = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "scripts" / "kernels_ab.py"),
+         str(tiny_model("llama")), str(root), str(copy), "--batch", "3", "--context", "20",
+         "--steps", "2", "--rounds", "2"],
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    if run.returncode != 0 and "no one-call forward" in run.stderr:
+        pytest.skip("the one-call forward needs the AVX-512 kernels")
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [ln for ln in run.stdout.splitlines() if "decode step" in ln]
+    assert len(lines) == 2 and lines[0].split(":")[1] != lines[1].split(":")[1], run.stdout
+    assert all("prefill" in ln and " x" in ln for ln in lines), run.stdout
