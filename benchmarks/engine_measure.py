@@ -17,14 +17,17 @@ the measured bandwidth), and prefill's share of the matmul rate.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks import engine_limits
 from engine_core.config import EngineConfig
+from engine_core.cpu_kernels import CpuKernels, build
 from engine_core.engine import EngineCore
 from protocol.messages import EngineCoreRequest, SamplingParams
 
@@ -309,3 +312,50 @@ def format_table(r: dict[str, Any]) -> str:
         f"(best {c['best_speedup']:.2f}x)"
     )
     return "\n".join(lines)
+
+
+def compare_builds(
+    model: str, checkouts: list[str], batch: int, context: int, steps: int, rounds: int
+) -> dict[str, dict[str, list[float]]]:
+    """Seconds of a prefill of `batch` fresh prompts and of a decode step (the median of
+    `steps`) for each checkout's build of the kernels, every round, on one engine whose
+    one-call forward is swapped between builds; the order reversed every other round
+    (scripts/kernels_ab.py). Only the forward is swapped: the packed weights, sampler
+    and per-op path stay this checkout's, which every build reads alike."""
+    args = argparse.Namespace(
+        model=model, dtype="bfloat16", device="cpu", threads=None, batch_sizes=str(batch),
+        max_num_batched_tokens=2048, kv_cache_memory_bytes=512 << 20, seed=0,
+    )  # fmt: skip
+    engine = _engine(args, model_impl="native")
+    decoder = getattr(engine.runner.backend, "decoder", None)
+    if decoder is None:
+        raise RuntimeError("this engine has no one-call forward (needs the AVX-512 kernels)")
+    builds = []
+    for i, checkout in enumerate(checkouts):
+        path = build(source=Path(checkout) / "engine_core" / "csrc")
+        name = f"{i}:{Path(checkout).resolve().name}"
+        builds.append((name, CpuKernels(ctypes.CDLL(str(path)), path)))
+    gen = torch.Generator().manual_seed(0)
+    out = {name: {"prefill": [], "decode": []} for name, _ in builds}
+    for r in range(rounds):
+        for name, kernels in builds if r % 2 == 0 else builds[::-1]:
+            decoder.use_build(kernels)
+            # Fresh prompts each time: no prefix-cache hits.
+            ids = [
+                _add(engine, q, steps + 2) for q in _prompts(batch, context, engine.vocab_size, gen)
+            ]
+            started: set[str] = set()
+            t = time.perf_counter()
+            while len(started) < len(ids):
+                for outs in engine.step().values():
+                    started.update(o.request_id for o in outs)
+            out[name]["prefill"].append(time.perf_counter() - t)
+            times = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t)
+            engine.abort_requests(ids)
+            engine.step()
+            out[name]["decode"].append(statistics.median(times))
+    return out
