@@ -84,18 +84,28 @@ def _threads_for(engine: EngineCore) -> None:
 def engine_decode_ms(engine: EngineCore, prompts: list[list[int]], steps: int) -> list[float]:
     """ms of each step in which every request decodes one token."""
     _threads_for(engine)
+    return [t * 1e3 for t in _prefill_and_decode(engine, prompts, steps)[1]]
+
+
+def _prefill_and_decode(
+    engine: EngineCore, prompts: list[list[int]], steps: int
+) -> tuple[float, list[float]]:
+    """Seconds to prefill `prompts` (until each has its first token), and of each of
+    `steps` steps in which every request decodes one token; the requests end aborted."""
     ids = [_add(engine, p, steps + 2) for p in prompts]
     started: set[str] = set()
+    t = time.perf_counter()
     while len(started) < len(ids):  # prefill (chunked by the token budget)
         for outs in engine.step().values():
             started.update(o.request_id for o in outs)
+    prefill = time.perf_counter() - t
     times = []
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
     engine.abort_requests(ids)
-    return [t * 1e3 for t in times]
+    return prefill, times
 
 
 @torch.inference_mode()
@@ -327,6 +337,7 @@ def compare_builds(
         max_num_batched_tokens=2048, kv_cache_memory_bytes=512 << 20, seed=0,
     )  # fmt: skip
     engine = _engine(args, model_impl="native")
+    _threads_for(engine)
     decoder = getattr(engine.runner.backend, "decoder", None)
     if decoder is None:
         raise RuntimeError("this engine has no one-call forward (needs the AVX-512 kernels)")
@@ -341,21 +352,8 @@ def compare_builds(
         for name, kernels in builds if r % 2 == 0 else builds[::-1]:
             decoder.use_build(kernels)
             # Fresh prompts each time: no prefix-cache hits.
-            ids = [
-                _add(engine, q, steps + 2) for q in _prompts(batch, context, engine.vocab_size, gen)
-            ]
-            started: set[str] = set()
-            t = time.perf_counter()
-            while len(started) < len(ids):
-                for outs in engine.step().values():
-                    started.update(o.request_id for o in outs)
-            out[name]["prefill"].append(time.perf_counter() - t)
-            times = []
-            for _ in range(steps):
-                t = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - t)
-            engine.abort_requests(ids)
-            engine.step()
+            prompts = _prompts(batch, context, engine.vocab_size, gen)
+            prefill, times = _prefill_and_decode(engine, prompts, steps)
+            out[name]["prefill"].append(prefill)
             out[name]["decode"].append(statistics.median(times))
     return out
