@@ -170,14 +170,12 @@ class MessagesView(BlockStream, GenerationView):
 
     @staticmethod
     def _event(kind: str, **fields) -> bytes:
-        return (
-            b"event: " + kind.encode() + b"\ndata: " + sse.dumps({"type": kind, **fields}) + b"\n\n"
-        )
+        return sse.named_event(kind, {"type": kind, **fields})
 
     def error_event(self, error: dict) -> bytes:
         e = error["error"]
         body = anthropic_error(e["message"], e.get("code") or 500)
-        return b"event: error\ndata: " + sse.dumps(body) + b"\n\n"
+        return sse.named_event("error", body)
 
     async def events(self) -> AsyncIterator[bytes]:
         start = self._message([], (None, None))

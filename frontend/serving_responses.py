@@ -199,7 +199,7 @@ class ResponsesView(BlockStream, GenerationView):
     def _event(self, kind: str, **fields) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return b"event: " + kind.encode() + b"\ndata: " + sse.dumps(payload) + b"\n\n"
+        return sse.named_event(kind, payload)
 
     def error_event(self, error: dict) -> bytes:
         e = error["error"]

@@ -25,3 +25,8 @@ def dumps(payload: dict) -> bytes:
 def event(payload: dict) -> bytes:
     """Hot path: one call per streamed chunk."""
     return b"data: " + dumps(payload) + b"\n\n"
+
+
+def named_event(kind: str, payload: dict) -> bytes:
+    """Hot path: a chunk with an `event:` line (the Responses and Messages streams)."""
+    return b"event: " + kind.encode() + b"\ndata: " + dumps(payload) + b"\n\n"
