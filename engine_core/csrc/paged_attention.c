@@ -24,10 +24,12 @@ static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
 }
 
-/* Always inlined: GCC takes a function that only prefetches for one without
- * effects, and drops the calls to it. */
+/* Into L2, not L1: asked for in L1, a whole block a time, the lines crowded out the rows
+ * in use and held the fill buffers the demand loads wait on (BENCHMARKS.md §2: decode
+ * attention 10-17 % faster with K/V in L3, level with K/V in DRAM). Always inlined: GCC
+ * takes a function that only prefetches for one without effects, and drops the calls. */
 static inline __attribute__((always_inline)) void prefetch_block(const bf16 *p, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T0);
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T1);
 }
 
 /* Inlined into callers with constant d and groups, so the common shapes keep q and
@@ -285,30 +287,14 @@ static inline int64_t item_start(const struct zs_attention_job *j, int64_t n, in
     return zs_first_key(len, j->window);
 }
 
-/* Ask for all of one item's K and V blocks into L2: the blocks are scattered over
- * the cache, so an item that starts cold waits on memory for each one. */
-static inline __attribute__((always_inline)) void prefetch_item(const struct zs_attention_job *j,
-                                                                 int64_t item) {
-    const int64_t hkv = j->hkv, n = j->walk ? j->walk[item / hkv] : item / hkv, h = item % hkv;
-    const int64_t len = j->row_len[n];
-    const int64_t bs = j->block_size, bytes = bs * j->d * (int64_t)sizeof(bf16);
-    const int32_t *table = j->tables + (int64_t)j->row_table[n] * j->table_stride;
-    for (int64_t b = item_start(j, n, len) / bs; b * bs < len; b++) {
-        const int64_t base = ((int64_t)table[b] * hkv + h) * bs * j->d;
-        for (int64_t o = 0; o < bytes; o += 64) {
-            __builtin_prefetch((const char *)(j->k_cache + base) + o, 0, 2);
-            __builtin_prefetch((const char *)(j->v_cache + base) + o, 0, 2);
-        }
-    }
-}
-
-/* Items are (row, KV head) pairs; each one fetches the next while it computes. */
+/* Items are (row, KV head) pairs. Each item's rows fetch their own next blocks: fetching
+ * the whole next item as well, ahead, cost 10 % with K/V in L3 and gained nothing with
+ * them in DRAM (BENCHMARKS.md §2). */
 static void attention_items(const void *job, int64_t begin, int64_t end) {
     const struct zs_attention_job *j = job;
     const int64_t hkv = j->hkv, groups = j->hq / hkv, d = j->d;
     float *s = zs_scratch(sizeof(float) * ZS_PAD_GROUPS(groups) * j->s_stride);
     for (int64_t item = begin; item < end; item++) {
-        if (item + 1 < end) prefetch_item(j, item + 1);
         const int64_t n = j->walk ? j->walk[item / hkv] : item / hkv, h = item % hkv;
         const int64_t len = j->row_len[n];
         const int64_t start = item_start(j, n, len);
