@@ -193,19 +193,47 @@ static void amx_configure(int r0, int r1) {
     zs_amx_load(r0 + 32 * r1 + 1, rows);
 }
 
+/* A block's sums (32 fp32 a row at acc) waiting for the epilogue: rows [done, rows) are
+ * still to go out, from row 0's place in y (or yf). */
+struct pending {
+    const float *acc;
+    int rows, done;
+    bf16 *y;
+    float *yf;
+    int64_t ys, n;
+    __m512 bias0, bias1;
+    __mmask16 m0, m1;
+    int gated;
+};
+
+static inline __attribute__((always_inline)) void pending_rows(struct pending *e, int upto) {
+    for (; e->done < upto && e->done < e->rows; e->done++) {
+        const int r = e->done;
+        store_row(_mm512_loadu_ps(e->acc + r * 32), _mm512_loadu_ps(e->acc + r * 32 + 16),
+                  e->bias0, e->bias1, e->y ? e->y + r * e->ys : NULL,
+                  e->yf ? e->yf + r * e->ys : NULL, e->m0, e->m1, e->gated, e->n);
+    }
+}
+
 /* linear_rows on the tile unit: R <= 32 rows, K a multiple of 32, each B tile read
  * once for both 16-row blocks; the sums go through `acc` (R x 32 fp32) to the same
- * epilogue. Meanwhile it asks for the lines that epilogue writes, row r's at
+ * epilogue. With `prev`, the epilogue of the block before goes out meanwhile, a few
+ * rows after each K step's multiplies: the vector units work while the tile unit
+ * does, where after its own multiplies it left the tile unit idle (the gated SiLU
+ * epilogue longest: gate/up 35 % faster at 128-512 rows, BENCHMARKS.md §2). And it
+ * asks for the lines its own epilogue will write, row r's at
  * out + r * out_stride (and + out_second where a row writes two places), for writing:
  * owned by the time the stores come, they need not wait on memory (BENCHMARKS.md §2:
  * matmuls 14-18 % faster at 128-2048 rows where y starts out of the cache, a decode
  * step ~3 % faster). */
 static inline __attribute__((always_inline)) void linear_rows_amx(
     const bf16 *x, int64_t xs, const bf16 *tile, int64_t k, int R, float *acc,
-    const bf16 *next, const char *out, int64_t out_stride, int64_t out_second) {
+    const bf16 *next, const char *out, int64_t out_stride, int64_t out_second,
+    struct pending *prev) {
     const int r0 = R < 16 ? R : 16, r1 = R - r0;
     const int64_t xb = xs * (int64_t)sizeof(bf16), bb = 2 * ZS_TILE * sizeof(bf16);
     const int64_t per_step = (R + k / 32 - 1) / (k / 32); /* output rows asked for a K step */
+    const int prev_step = prev ? (int)((prev->rows - prev->done + k / 32 - 1) / (k / 32)) : 0;
     amx_configure(r0, r1);
     _tile_zero(0);
     _tile_zero(1);
@@ -233,7 +261,9 @@ static inline __attribute__((always_inline)) void linear_rows_amx(
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
+        if (prev) pending_rows(prev, prev->done + prev_step);
     }
+    if (prev) pending_rows(prev, 32);
     const int64_t cb = 32 * sizeof(float);
     _tile_stored(0, acc, cb);
     _tile_stored(1, acc + 16, cb);
@@ -258,9 +288,13 @@ struct linear_job {
 };
 
 #if ZS_AMX
-/* linear_tiles on the tile unit: 32 rows at a time through `acc` to the epilogue. */
-static void linear_tiles_amx(const struct linear_job *j, int64_t begin, int64_t end) {
-    float acc[32 * 32];
+/* linear_tiles on the tile unit: 32 rows at a time through `acc` to the epilogue, each
+ * block's during the next block's multiplies where `pipelined` (a constant). */
+static inline __attribute__((always_inline)) void tiles_amx(const struct linear_job *j,
+                                                            int64_t begin, int64_t end,
+                                                            const int pipelined) {
+    float acc[2][32 * 32];
+    struct pending prev = {.acc = acc[1]};
     const int64_t pairs = (j->k + 1) / 2, width = tile_cols(j->gated);
     const int64_t tiles = (j->n + width - 1) / width, ahead = zs_active_threads();
     for (int64_t t = begin; t < end; t++) {
@@ -281,16 +315,23 @@ static void linear_tiles_amx(const struct linear_job *j, int64_t begin, int64_t 
             const char *out =
                 j->yf ? (const char *)(j->yf + first) : (const char *)(j->y + first);
             const int64_t second = j->yf ? 64 : j->gated == ZS_GATED_RAW ? j->n * 2 : 0;
-            linear_rows_amx(j->x + r0 * j->xs, j->xs, tile, j->k, rows, acc, next, out,
-                            j->ys * (j->yf ? 4 : 2), second);
-            for (int r = 0; r < rows; r++) {
-                const int64_t at = (r0 + r) * j->ys + t * width;
-                store_row(_mm512_loadu_ps(acc + r * 32), _mm512_loadu_ps(acc + r * 32 + 16),
-                          bias0, bias1, j->yf ? NULL : j->y + at, j->yf ? j->yf + at : NULL, m0,
-                          m1, j->gated, j->n);
-            }
+            float *sums = acc[prev.acc == acc[0]];
+            linear_rows_amx(j->x + r0 * j->xs, j->xs, tile, j->k, rows, sums, next, out,
+                            j->ys * (j->yf ? 4 : 2), second, pipelined ? &prev : NULL);
+            prev = (struct pending){sums, rows, 0, j->yf ? NULL : j->y + first,
+                                    j->yf ? j->yf + first : NULL, j->ys, j->n, bias0, bias1,
+                                    m0, m1, j->gated};
+            if (!pipelined) pending_rows(&prev, 32);
         }
     }
+    pending_rows(&prev, 32);
+}
+
+/* A few rows' epilogues are short: they go out at once (pipelined, a batch-1 decode
+ * step was 1.5 % slower). */
+static void linear_tiles_amx(const struct linear_job *j, int64_t begin, int64_t end) {
+    if (j->m > 8) tiles_amx(j, begin, end, 1);
+    else tiles_amx(j, begin, end, 0);
 }
 #endif
 
