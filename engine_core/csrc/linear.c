@@ -199,7 +199,6 @@ static inline __attribute__((always_inline)) void linear_rows_amx(
     const int64_t xb = xs * (int64_t)sizeof(bf16), bb = 2 * ZS_TILE * sizeof(bf16);
     const int64_t per_step = (R + k / 32 - 1) / (k / 32); /* output rows asked for a K step */
     const int prev_step = prev ? (int)((prev->rows - prev->done + k / 32 - 1) / (k / 32)) : 0;
-    amx_configure(r0, r1);
     _tile_zero(0);
     _tile_zero(1);
     if (r1) {
@@ -260,6 +259,7 @@ static inline __attribute__((always_inline)) void tiles_amx(const struct linear_
                                                             const int pipelined) {
     float acc[2][32 * 32];
     struct pending prev = {.acc = acc[1]};
+    int shaped = 0; /* the rows the tiles are configured for (once a call: 1 % of a step) */
     const int64_t pairs = (j->k + 1) / 2, width = tile_cols(j->gated);
     const int64_t tiles = (j->n + width - 1) / width, ahead = zs_active_threads();
     for (int64_t t = begin; t < end; t++) {
@@ -281,6 +281,8 @@ static inline __attribute__((always_inline)) void tiles_amx(const struct linear_
                 j->yf ? (const char *)(j->yf + first) : (const char *)(j->y + first);
             const int64_t second = j->yf ? 64 : j->gated == ZS_GATED_RAW ? j->n * 2 : 0;
             float *sums = acc[prev.acc == acc[0]];
+            if (rows != shaped) amx_configure(rows < 16 ? rows : 16, rows < 16 ? 0 : rows - 16);
+            shaped = rows;
             linear_rows_amx(j->x + r0 * j->xs, j->xs, tile, j->k, rows, sums, next, out,
                             j->ys * (j->yf ? 4 : 2), second, pipelined ? &prev : NULL, j->m > 32);
             prev = (struct pending){sums, rows, 0, j->yf ? NULL : j->y + first,
