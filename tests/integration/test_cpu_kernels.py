@@ -427,6 +427,12 @@ def test_softmax_draw_edges_never_pick_a_token_without_mass(kernels):
     single = torch.full((1, 33), float("-inf"))
     single[0, 32] = 3.0  # the only token sits alone in a tail block
     assert kernels.softmax_draw(single, torch.tensor([0.999999])).tolist() == [32]
+    # Mass in the first and third 256-token spans only (the draw finds the span, then
+    # the 16-token block, then the token).
+    spread = torch.full((4, 700), float("-inf"))
+    spread[:, 5] = 0.0
+    spread[:, 600] = 0.0
+    assert kernels.softmax_draw(spread, u).tolist() == [5, 5, 600, 600]
 
 
 @pytest.mark.parametrize("rows, vocab", [(1, 1), (3, 17), (32, 8192), (5, 151_936)])
