@@ -6,6 +6,10 @@
  */
 #include "kernels.h"
 
+#if ZS_AVX512
+static inline __m512 round16(__m512 x) { return bf16_as_f32((__m256i)_mm512_cvtneps_pbh(x)); }
+#endif
+
 /* One token's rows of q and k: optional per-head RMSNorm (Qwen3), rotate-half RoPE
  * with that token's cos/sin rows, the result rounded as torch's
  * x * cos + rotate_half(x) * sin rounds it. */
@@ -20,6 +24,22 @@ static void norm_rope_head(const bf16 *x, bf16 *dst, const bf16 *norm_w, float e
         for (int64_t j = 0; j < d; j++) v[j] = round_bf(bf2f(norm_w[j]) * round_bf(v[j] * inv));
     }
     const int64_t half = d / 2;
+#if ZS_AVX512
+    if (half % 16 == 0) { /* both halves a vector at a time (GCC's version: 2x the time) */
+        for (int64_t j = 0; j < half; j += 16) {
+            const __m512 a = _mm512_loadu_ps(v + j), b = _mm512_loadu_ps(v + j + half);
+            const __m512 ca = load_bf16_as_f32(cos + j, 0xffff), sa = load_bf16_as_f32(sin + j, 0xffff);
+            const __m512 cb = load_bf16_as_f32(cos + j + half, 0xffff);
+            const __m512 sb = load_bf16_as_f32(sin + j + half, 0xffff);
+            const __m512 lo = _mm512_add_ps(round16(_mm512_mul_ps(a, ca)),
+                                            round16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b), sa)));
+            const __m512 hi = _mm512_add_ps(round16(_mm512_mul_ps(b, cb)), round16(_mm512_mul_ps(a, sb)));
+            _mm256_storeu_si256((__m256i *)(dst + j), (__m256i)_mm512_cvtneps_pbh(lo));
+            _mm256_storeu_si256((__m256i *)(dst + j + half), (__m256i)_mm512_cvtneps_pbh(hi));
+        }
+        return;
+    }
+#endif
     for (int64_t j = 0; j < d; j++) {
         const float rot = j < half ? -v[j + half] : v[j - half];
         dst[j] = f2bf(round_bf(v[j] * bf2f(cos[j])) + round_bf(rot * bf2f(sin[j])));

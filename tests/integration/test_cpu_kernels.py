@@ -210,7 +210,8 @@ def _cache(blocks: int, hkv: int, bs: int, d: int, g: torch.Generator):
 
 
 @pytest.mark.parametrize(
-    "hq,hkv,d,qk_norm", [(8, 2, 64, False), (4, 2, 16, False), (4, 2, 16, True)]
+    "hq,hkv,d,qk_norm",
+    [(8, 2, 64, False), (8, 2, 64, True), (4, 2, 128, False), (4, 2, 16, False), (4, 2, 16, True)],
 )
 def test_rope_store_rotates_q_in_place_and_writes_k_v_to_their_slots(kernels, hq, hkv, d, qk_norm):
     g = torch.Generator().manual_seed(d)
