@@ -149,7 +149,7 @@ static void amx_configure(int r0, int r1) {
 /* A tile load that does not keep its lines in L1 (TILELOADDT1) where `stream`. Of the
  * two operands only one stays in L1 while the other streams past from L2: past 32 rows,
  * the weight tile (reused by each 32-row block); up to 32, x (reused by every tile).
- * Matmuls 6-11 % faster (BENCHMARKS.md §2). */
+ * The step's matmuls 4-8 % faster on two threads (BENCHMARKS.md §2). */
 #define ZS_TILE_LOAD(t, p, stride, stream) \
     do {                                   \
         if (stream)                        \

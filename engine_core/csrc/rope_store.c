@@ -28,12 +28,15 @@ static void norm_rope_head(const bf16 *x, bf16 *dst, const bf16 *norm_w, float e
     if (half % 16 == 0) { /* both halves a vector at a time (GCC's version: 2x the time) */
         for (int64_t j = 0; j < half; j += 16) {
             const __m512 a = _mm512_loadu_ps(v + j), b = _mm512_loadu_ps(v + j + half);
-            const __m512 ca = load_bf16_as_f32(cos + j, 0xffff), sa = load_bf16_as_f32(sin + j, 0xffff);
+            const __m512 nb = _mm512_sub_ps(_mm512_setzero_ps(), b);
+            const __m512 ca = load_bf16_as_f32(cos + j, 0xffff);
+            const __m512 sa = load_bf16_as_f32(sin + j, 0xffff);
             const __m512 cb = load_bf16_as_f32(cos + j + half, 0xffff);
             const __m512 sb = load_bf16_as_f32(sin + j + half, 0xffff);
-            const __m512 lo = _mm512_add_ps(round16(_mm512_mul_ps(a, ca)),
-                                            round16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), b), sa)));
-            const __m512 hi = _mm512_add_ps(round16(_mm512_mul_ps(b, cb)), round16(_mm512_mul_ps(a, sb)));
+            const __m512 lo =
+                _mm512_add_ps(round16(_mm512_mul_ps(a, ca)), round16(_mm512_mul_ps(nb, sa)));
+            const __m512 hi =
+                _mm512_add_ps(round16(_mm512_mul_ps(b, cb)), round16(_mm512_mul_ps(a, sb)));
             _mm256_storeu_si256((__m256i *)(dst + j), (__m256i)_mm512_cvtneps_pbh(lo));
             _mm256_storeu_si256((__m256i *)(dst + j + half), (__m256i)_mm512_cvtneps_pbh(hi));
         }

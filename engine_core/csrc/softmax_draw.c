@@ -16,7 +16,8 @@
 #if ZS_AVX512
 
 /* e[i] = exp(x[i] - m), 0 where x[i] is -inf (a masked token keeps no mass); the sums
- * of each ZS_DRAW_SPAN tokens (one horizontal sum each: one per 16 took 30 % longer). */
+ * of each ZS_DRAW_SPAN tokens, one horizontal sum each (one per 16 tokens took 45 %
+ * longer, BENCHMARKS.md §2). */
 static void softmax_numerators(const float *x, float m, float *e, float *span_sums, int64_t vocab) {
     const __m512 mx = _mm512_set1_ps(m), ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t s = 0; s * ZS_DRAW_SPAN < vocab; s++) {
@@ -33,7 +34,9 @@ static void softmax_numerators(const float *x, float m, float *e, float *span_su
 }
 
 /* The sum of e's 16 tokens from i (their vector, padded with zeros). */
-static float block_sum(const float *e, int64_t i) { return _mm512_reduce_add_ps(_mm512_loadu_ps(e + i)); }
+static float block_sum(const float *e, int64_t i) {
+    return _mm512_reduce_add_ps(_mm512_loadu_ps(e + i));
+}
 
 static float row_max(const float *x, int64_t vocab) {
     __m512 m = _mm512_set1_ps(-INFINITY);
@@ -76,7 +79,8 @@ static void softmax_numerators(const float *x, float m, float *e, float *span_su
             e[k] = (k < vocab && x[k] != -INFINITY) ? expf(x[k] - m) : 0.f;
     for (int64_t s = 0; s * ZS_DRAW_SPAN < vocab; s++) {
         float sum = 0.f;
-        for (int64_t k = s * ZS_DRAW_SPAN; k < (s + 1) * ZS_DRAW_SPAN && k < vocab; k++) sum += e[k];
+        for (int64_t k = s * ZS_DRAW_SPAN; k < (s + 1) * ZS_DRAW_SPAN && k < vocab; k++)
+            sum += e[k];
         span_sums[s] = sum;
     }
 }
@@ -135,7 +139,8 @@ static void draw_rows(const void *job, int64_t begin, int64_t end) {
         int64_t s = 0;
         while (s < spans - 1 && acc + span_sums[s] <= target) acc += span_sums[s++];
         int64_t j = s * (ZS_DRAW_SPAN / 16);
-        const int64_t last_block = (s + 1) * (ZS_DRAW_SPAN / 16) < blocks ? (s + 1) * (ZS_DRAW_SPAN / 16) - 1 : blocks - 1;
+        const int64_t span_end = (s + 1) * (ZS_DRAW_SPAN / 16);
+        const int64_t last_block = (span_end < blocks ? span_end : blocks) - 1;
         for (float b; j < last_block && acc + (b = block_sum(e, j * 16)) <= target; j++) acc += b;
         int64_t pick = -1, last = -1;
         for (int64_t i = j * 16; i < j * 16 + 16 && i < vocab; i++) {
