@@ -193,14 +193,16 @@ static inline __m512 load_bf16_as_f32(const bf16 *p, __mmask16 m) {
     return bf16_as_f32(_mm256_maskz_loadu_epi16(m, p));
 }
 
+/* round_bf on 16 values: rounded to bf16 and widened back. */
+static inline __m512 round_bf16(__m512 x) { return bf16_as_f32((__m256i)_mm512_cvtneps_pbh(x)); }
+
 /* silu(g) rounded, times u, rounded: torch's two bf16 ops, on 16 values each (g and
  * u already bf16 values). e^-x for x < 0 can overflow exp512's range; silu is then
  * -0 to within bf16, as torch gives. */
 static inline __m256i silu_mul16(__m512 g, __m512 u) {
     const __m512 e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(88.f)));
     const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-    const __m512 sr = bf16_as_f32((__m256i)_mm512_cvtneps_pbh(silu));
-    return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sr, u));
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(round_bf16(silu), u));
 }
 #endif
 

@@ -76,9 +76,7 @@ static inline __attribute__((always_inline)) void store_row(
         _mm256_mask_storeu_epi16(y, m0, (__m256i)_mm512_cvtneps_pbh(a0));
         _mm256_mask_storeu_epi16(y + up, m0, (__m256i)_mm512_cvtneps_pbh(a1));
     } else if (gated) {
-        const __m512 g = bf16_as_f32((__m256i)_mm512_cvtneps_pbh(a0));
-        const __m512 u = bf16_as_f32((__m256i)_mm512_cvtneps_pbh(a1));
-        _mm256_mask_storeu_epi16(y, m0, silu_mul16(g, u));
+        _mm256_mask_storeu_epi16(y, m0, silu_mul16(round_bf16(a0), round_bf16(a1)));
     } else {
         const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a0, bias0));
         const __m256i hi = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a1, bias1));
@@ -138,10 +136,11 @@ static inline __attribute__((always_inline)) void linear_rows(
 }
 
 #if ZS_AMX
-/* The tile shapes for up to 32 rows of x, R0 in the first 16 and R1 in the next:
- * C (R x 16 fp32) for each block and 16-column half in tiles 0-3, A (R x 32 bf16) of
- * each block in 4 and 5, B (16 K-pairs x 16 columns) of each half in 6 and 7. */
-static void amx_configure(int r0, int r1) {
+/* The tile shapes for up to 32 rows of x, R0 (up to 16) in the first block and R1 in
+ * the next: C (R x 16 fp32) for each block and 16-column half in tiles 0-3, A (R x 32
+ * bf16) of each block in 4 and 5, B (16 K-pairs x 16 columns) of each half in 6 and 7. */
+static void amx_configure(int rows_of_x) {
+    const int r0 = rows_of_x < 16 ? rows_of_x : 16, r1 = rows_of_x - r0;
     const uint8_t rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
     zs_amx_load(r0 + 32 * r1 + 1, rows);
 }
@@ -281,7 +280,7 @@ static inline __attribute__((always_inline)) void tiles_amx(const struct linear_
                 j->yf ? (const char *)(j->yf + first) : (const char *)(j->y + first);
             const int64_t second = j->yf ? 64 : j->gated == ZS_GATED_RAW ? j->n * 2 : 0;
             float *sums = acc[prev.acc == acc[0]];
-            if (rows != shaped) amx_configure(rows < 16 ? rows : 16, rows < 16 ? 0 : rows - 16);
+            if (rows != shaped) amx_configure(rows);
             shaped = rows;
             linear_rows_amx(j->x + r0 * j->xs, j->xs, tile, j->k, rows, sums, next, out,
                             j->ys * (j->yf ? 4 : 2), second, pipelined ? &prev : NULL, j->m > 32);

@@ -108,7 +108,7 @@ static inline __attribute__((always_inline)) void attend_row_impl(
         const __m512 x = _mm512_loadu_ps(s + i);
         const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
         const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, mx)));
-        const __m512 r = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(e));
+        const __m512 r = round_bf16(e);
         _mm512_storeu_ps(s + i, r);
         sum = _mm512_add_ps(sum, r);
     }

@@ -6,10 +6,6 @@
  */
 #include "kernels.h"
 
-#if ZS_AVX512
-static inline __m512 round16(__m512 x) { return bf16_as_f32((__m256i)_mm512_cvtneps_pbh(x)); }
-#endif
-
 /* One token's rows of q and k: optional per-head RMSNorm (Qwen3), rotate-half RoPE
  * with that token's cos/sin rows, the result rounded as torch's
  * x * cos + rotate_half(x) * sin rounds it. */
@@ -34,9 +30,9 @@ static void norm_rope_head(const bf16 *x, bf16 *dst, const bf16 *norm_w, float e
             const __m512 cb = load_bf16_as_f32(cos + j + half, 0xffff);
             const __m512 sb = load_bf16_as_f32(sin + j + half, 0xffff);
             const __m512 lo =
-                _mm512_add_ps(round16(_mm512_mul_ps(a, ca)), round16(_mm512_mul_ps(nb, sa)));
+                _mm512_add_ps(round_bf16(_mm512_mul_ps(a, ca)), round_bf16(_mm512_mul_ps(nb, sa)));
             const __m512 hi =
-                _mm512_add_ps(round16(_mm512_mul_ps(b, cb)), round16(_mm512_mul_ps(a, sb)));
+                _mm512_add_ps(round_bf16(_mm512_mul_ps(b, cb)), round_bf16(_mm512_mul_ps(a, sb)));
             _mm256_storeu_si256((__m256i *)(dst + j), (__m256i)_mm512_cvtneps_pbh(lo));
             _mm256_storeu_si256((__m256i *)(dst + j + half), (__m256i)_mm512_cvtneps_pbh(hi));
         }
