@@ -20,6 +20,7 @@
 #if ZS_AVX512
 
 #define ZS_TILE 32
+#define ZS_STREAM_AHEAD 4096 /* bytes: how far ahead of the tile unit a lone block fetches */
 #define ZS_LINEAR_ROWS 256 /* rows of x per pass of zs_linear over the weight */
 
 /* `gated` of a gate/up weight packed gated: 1 gives silu(gate) * up [M, n]; this gives
@@ -192,8 +193,8 @@ static inline __attribute__((always_inline)) void pending_rows(struct pending *e
  * step ~3 % faster). */
 static inline __attribute__((always_inline)) void linear_rows_amx(
     const bf16 *x, int64_t xs, const bf16 *tile, int64_t k, int R, float *acc,
-    const bf16 *next, const char *out, int64_t out_stride, int64_t out_second,
-    struct pending *prev, int stream_x) {
+    const bf16 *next, const char *next_end, const char *out, int64_t out_stride,
+    int64_t out_second, struct pending *prev, int stream_x) {
     const int r0 = R < 16 ? R : 16, r1 = R - r0;
     const int64_t xb = xs * (int64_t)sizeof(bf16), bb = 2 * ZS_TILE * sizeof(bf16);
     const int64_t per_step = (R + k / 32 - 1) / (k / 32); /* output rows asked for a K step */
@@ -206,9 +207,10 @@ static inline __attribute__((always_inline)) void linear_rows_amx(
     }
     for (int64_t kc = 0; kc < k; kc += 32) {
         const bf16 *b = tile + kc / 2 * 2 * ZS_TILE;
-        if (next)
-            for (int i = 0; i < 32; i++) /* this K step's 2 KB of the next tile */
-                _mm_prefetch((const char *)(next + kc / 2 * 2 * ZS_TILE) + i * 64, _MM_HINT_T1);
+        const char *ahead = (const char *)(next + kc / 2 * 2 * ZS_TILE);
+        if (next && ahead < next_end)
+            for (int i = 0; i < 32; i++) /* 2 KB of what comes next, a K step's worth */
+                _mm_prefetch(ahead + i * 64, _MM_HINT_T1);
         for (int64_t r = kc / 32 * per_step; r < R && r < (kc / 32 + 1) * per_step; r++) {
             __builtin_prefetch(out + r * out_stride, 1, 3);
             if (out_second) __builtin_prefetch(out + r * out_stride + out_second, 1, 3);
@@ -270,9 +272,19 @@ static inline __attribute__((always_inline)) void tiles_amx(const struct linear_
         const __m512 bias1 = b ? _mm512_maskz_loadu_ps(m1, b + 16) : _mm512_setzero_ps();
         for (int64_t r0 = 0; r0 < j->m; r0 += 32) {
             const int rows = j->m - r0 < 32 ? (int)(j->m - r0) : 32;
-            /* The first block of a tile also fetches this thread's likely next one. */
-            const bf16 *next =
-                r0 == 0 && t + ahead < tiles ? tile + ahead * pairs * 2 * ZS_TILE : NULL;
+            /* Past 32 rows the first block of a tile also fetches this thread's likely
+             * next one. Up to 32 rows (one block: the weight streams past x once) each K
+             * step fetches the 2 KB lying 4 KB ahead in the chunk's tiles, which follow
+             * one another in memory: a steady stream instead of a burst a tile, the
+             * step's matmuls 6-13 % faster at 1-32 rows (BENCHMARKS.md §2). */
+            const bf16 *next = NULL;
+            const char *next_end = (const char *)(j->packed + end * pairs * 2 * ZS_TILE);
+            if (j->m <= 32)
+                next = (const bf16 *)((const char *)tile + ZS_STREAM_AHEAD);
+            else if (r0 == 0 && t + ahead < tiles) {
+                next = tile + ahead * pairs * 2 * ZS_TILE;
+                next_end = (const char *)(next + pairs * 2 * ZS_TILE);
+            }
             /* Where the block's rows go: f32 out, two lines a row; gated raw, a gate
              * and an up half. */
             const int64_t first = r0 * j->ys + t * width;
@@ -282,8 +294,9 @@ static inline __attribute__((always_inline)) void tiles_amx(const struct linear_
             float *sums = acc[prev.acc == acc[0]];
             if (rows != shaped) amx_configure(rows);
             shaped = rows;
-            linear_rows_amx(j->x + r0 * j->xs, j->xs, tile, j->k, rows, sums, next, out,
-                            j->ys * (j->yf ? 4 : 2), second, pipelined ? &prev : NULL, j->m > 32);
+            linear_rows_amx(j->x + r0 * j->xs, j->xs, tile, j->k, rows, sums, next, next_end,
+                            out, j->ys * (j->yf ? 4 : 2), second, pipelined ? &prev : NULL,
+                            j->m > 32);
             prev = (struct pending){sums, rows, 0, j->yf ? NULL : j->y + first,
                                     j->yf ? j->yf + first : NULL, j->ys, j->n, bias0, bias1,
                                     m0, m1, j->gated};
