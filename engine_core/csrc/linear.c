@@ -185,7 +185,8 @@ static inline __attribute__((always_inline)) void pending_rows(struct pending *e
  * epilogue. With `prev`, the epilogue of the block before goes out meanwhile, a few
  * rows after each K step's multiplies: the vector units work while the tile unit
  * does, where after its own multiplies it left the tile unit idle (the gated SiLU
- * epilogue longest: gate/up 35 % faster at 128-512 rows, BENCHMARKS.md §2). And it
+ * epilogue longest: gate/up 35 % faster at 128-512 rows, BENCHMARKS.md §2). Each K
+ * step fetches 2 KB from `next` on into L2, up to `next_end`. And it
  * asks for the lines its own epilogue will write, row r's at
  * out + r * out_stride (and + out_second where a row writes two places), for writing:
  * owned by the time the stores come, they need not wait on memory (BENCHMARKS.md §2:
@@ -272,14 +273,15 @@ static inline __attribute__((always_inline)) void tiles_amx(const struct linear_
         const __m512 bias1 = b ? _mm512_maskz_loadu_ps(m1, b + 16) : _mm512_setzero_ps();
         for (int64_t r0 = 0; r0 < j->m; r0 += 32) {
             const int rows = j->m - r0 < 32 ? (int)(j->m - r0) : 32;
-            /* Past 32 rows the first block of a tile also fetches this thread's likely
-             * next one. Up to 32 rows (one block: the weight streams past x once) each K
-             * step fetches the 2 KB lying 4 KB ahead in the chunk's tiles, which follow
-             * one another in memory: a steady stream instead of a burst a tile, the
-             * step's matmuls 6-13 % faster at 1-32 rows (BENCHMARKS.md §2). */
+            /* The first block of a tile fetches what comes next. Up to 64 rows (a
+             * block or two: the tile mostly waits on the weight) each K step fetches
+             * the 2 KB lying 4 KB ahead in the chunk's tiles, which follow one another
+             * in memory: a steady stream instead of a burst a tile, the step's matmuls
+             * 5-13 % faster at 1-64 rows (BENCHMARKS.md §2). Past that, level either
+             * way, the whole of this thread's likely next tile. */
             const bf16 *next = NULL;
             const char *next_end = (const char *)(j->packed + end * pairs * 2 * ZS_TILE);
-            if (j->m <= 32)
+            if (r0 == 0 && j->m <= 64)
                 next = (const bf16 *)((const char *)tile + ZS_STREAM_AHEAD);
             else if (r0 == 0 && t + ahead < tiles) {
                 next = tile + ahead * pairs * 2 * ZS_TILE;
