@@ -20,7 +20,8 @@
 #if ZS_AVX512
 
 #define ZS_TILE 32
-#define ZS_STREAM_AHEAD 4096 /* bytes: how far ahead of the tile unit a lone block fetches */
+#define ZS_STREAM_AHEAD 4096 /* bytes: how far ahead of the tile unit the weight is fetched */
+#define ZS_SPAN_BYTES (1 << 20) /* weight the blocks of x pass over in turn (in L2: 2 MB) */
 #define ZS_LINEAR_ROWS 256 /* rows of x per pass of zs_linear over the weight */
 
 /* `gated` of a gate/up weight packed gated: 1 gives silu(gate) * up [M, n]; this gives
@@ -147,9 +148,9 @@ static void amx_configure(int rows_of_x) {
 }
 
 /* A tile load that does not keep its lines in L1 (TILELOADDT1) where `stream`. Of the
- * two operands only one stays in L1 while the other streams past from L2: past 32 rows,
- * the weight tile (reused by each 32-row block); up to 32, x (reused by every tile).
- * The step's matmuls 4-8 % faster on two threads (BENCHMARKS.md §2). */
+ * two operands only one stays in L1 while the other streams past from L2: x's block,
+ * which meets every tile of a span in turn; a lone tile meeting every block of x stays
+ * itself instead. The step's matmuls 4-8 % faster on two threads (BENCHMARKS.md §2). */
 #define ZS_TILE_LOAD(t, p, stride, stream) \
     do {                                   \
         if (stream)                        \
@@ -255,54 +256,52 @@ struct linear_job {
 
 #if ZS_AMX
 /* linear_tiles on the tile unit: 32 rows at a time through `acc` to the epilogue, each
- * block's during the next block's multiplies where `pipelined` (a constant). */
+ * block's during the next block's multiplies where `pipelined` (a constant). The tiles
+ * go in spans whose weights stay in L2 (ZS_SPAN_BYTES), and each 32-row block of x meets
+ * a whole span in turn from L1, where it met one tile and was read again from L2 for the
+ * next: the step's matmuls x0.88 at 128 rows with the weights from L3, x0.92-0.93 at 64
+ * and 256 (BENCHMARKS.md §2). */
 static inline __attribute__((always_inline)) void tiles_amx(const struct linear_job *j,
                                                             int64_t begin, int64_t end,
                                                             const int pipelined) {
     float acc[2][32 * 32];
     struct pending prev = {.acc = acc[1]};
     int shaped = 0; /* the rows the tiles are configured for (once a call: 1 % of a step) */
-    const int64_t pairs = (j->k + 1) / 2, width = tile_cols(j->gated);
-    const int64_t tiles = (j->n + width - 1) / width, ahead = zs_active_threads();
-    for (int64_t t = begin; t < end; t++) {
-        const bf16 *tile = j->packed + t * pairs * 2 * ZS_TILE;
-        const int64_t left = j->n - t * width;
-        const __mmask16 m0 = lanes16(left), m1 = j->gated || left <= 16 ? 0 : lanes16(left - 16);
-        const float *b = j->bias && !j->gated ? j->bias + t * ZS_TILE : NULL;
-        const __m512 bias0 = b ? _mm512_maskz_loadu_ps(m0, b) : _mm512_setzero_ps();
-        const __m512 bias1 = b ? _mm512_maskz_loadu_ps(m1, b + 16) : _mm512_setzero_ps();
+    const int64_t pairs = (j->k + 1) / 2, width = tile_cols(j->gated), len = pairs * 2 * ZS_TILE;
+    const int64_t span = ZS_SPAN_BYTES / (len * 2) > 1 ? ZS_SPAN_BYTES / (len * 2) : 1;
+    /* The first block's pass fetches the weight 4 KB ahead, 2 KB a K step, in the
+     * chunk's tiles, which follow one another in memory: a steady stream instead of a
+     * burst a tile (at 1-64 rows the step's matmuls 5-13 % faster, BENCHMARKS.md §2). */
+    const char *chunk_end = (const char *)(j->packed + end * len);
+    for (int64_t s = begin; s < end; s += span) {
+        const int64_t e = s + span < end ? s + span : end;
         for (int64_t r0 = 0; r0 < j->m; r0 += 32) {
             const int rows = j->m - r0 < 32 ? (int)(j->m - r0) : 32;
-            /* The first block of a tile fetches what comes next. Up to 64 rows (a
-             * block or two: the tile mostly waits on the weight) each K step fetches
-             * the 2 KB lying 4 KB ahead in the chunk's tiles, which follow one another
-             * in memory: a steady stream instead of a burst a tile, the step's matmuls
-             * 5-13 % faster at 1-64 rows (BENCHMARKS.md §2). Past that, level either
-             * way, the whole of this thread's likely next tile. */
-            const bf16 *next = NULL;
-            const char *next_end = (const char *)(j->packed + end * pairs * 2 * ZS_TILE);
-            if (r0 == 0 && j->m <= 64)
-                next = (const bf16 *)((const char *)tile + ZS_STREAM_AHEAD);
-            else if (r0 == 0 && t + ahead < tiles) {
-                next = tile + ahead * pairs * 2 * ZS_TILE;
-                next_end = (const char *)(next + pairs * 2 * ZS_TILE);
-            }
-            /* Where the block's rows go: f32 out, two lines a row; gated raw, a gate
-             * and an up half. */
-            const int64_t first = r0 * j->ys + t * width;
-            const char *out =
-                j->yf ? (const char *)(j->yf + first) : (const char *)(j->y + first);
-            const int64_t second = j->yf ? 64 : j->gated == ZS_GATED_RAW ? j->n * 2 : 0;
-            float *sums = acc[prev.acc == acc[0]];
             if (rows != shaped) amx_configure(rows);
             shaped = rows;
-            linear_rows_amx(j->x + r0 * j->xs, j->xs, tile, j->k, rows, sums, next, next_end,
-                            out, j->ys * (j->yf ? 4 : 2), second, pipelined ? &prev : NULL,
-                            j->m > 32);
-            prev = (struct pending){sums, rows, 0, j->yf ? NULL : j->y + first,
-                                    j->yf ? j->yf + first : NULL, j->ys, j->n, bias0, bias1,
-                                    m0, m1, j->gated};
-            if (!pipelined) pending_rows(&prev, 32);
+            for (int64_t t = s; t < e; t++) {
+                const bf16 *tile = j->packed + t * len;
+                const int64_t left = j->n - t * width;
+                const __mmask16 m0 = lanes16(left), m1 = j->gated || left <= 16 ? 0 : lanes16(left - 16);
+                const float *b = j->bias && !j->gated ? j->bias + t * ZS_TILE : NULL;
+                const __m512 bias0 = b ? _mm512_maskz_loadu_ps(m0, b) : _mm512_setzero_ps();
+                const __m512 bias1 = b ? _mm512_maskz_loadu_ps(m1, b + 16) : _mm512_setzero_ps();
+                const bf16 *next = r0 == 0 ? (const bf16 *)((const char *)tile + ZS_STREAM_AHEAD) : NULL;
+                /* Where the block's rows go: f32 out, two lines a row; gated raw, a gate
+                 * and an up half. */
+                const int64_t first = r0 * j->ys + t * width;
+                const char *out =
+                    j->yf ? (const char *)(j->yf + first) : (const char *)(j->y + first);
+                const int64_t second = j->yf ? 64 : j->gated == ZS_GATED_RAW ? j->n * 2 : 0;
+                float *sums = acc[prev.acc == acc[0]];
+                linear_rows_amx(j->x + r0 * j->xs, j->xs, tile, j->k, rows, sums, next, chunk_end,
+                                out, j->ys * (j->yf ? 4 : 2), second, pipelined ? &prev : NULL,
+                                e - s == 1 && j->m > 32);
+                prev = (struct pending){sums, rows, 0, j->yf ? NULL : j->y + first,
+                                        j->yf ? j->yf + first : NULL, j->ys, j->n, bias0, bias1,
+                                        m0, m1, j->gated};
+                if (!pipelined) pending_rows(&prev, 32);
+            }
         }
     }
     pending_rows(&prev, 32);

@@ -85,11 +85,12 @@ def _linear_kernels(kernels):
 @pytest.mark.parametrize(
     "m,n,k,bias",
     [(1, 512, 512, False), (7, 40, 129, True), (8, 32, 64, False), (33, 2816, 512, True),
-     (130, 100, 1408, False)],
+     (130, 100, 1408, False), (33, 2560, 4096, True)],
 )  # fmt: skip
 def test_linear_matches_an_fp64_reference(kernels, m, n, k, bias):
     # Every odd shape: rows past a multiple of 8, columns past a 32-column tile, an
-    # odd K (its last pair half empty), a bias.
+    # odd K (its last pair half empty), a bias; and (K = 4096) a thread's tiles longer
+    # than the weight its blocks of x pass over in turn (1 MB on the tile unit).
     kernels = _linear_kernels(kernels)
     g = torch.Generator().manual_seed(m * n + k)
     x = torch.randn(m, k, generator=g).to(BF16)
