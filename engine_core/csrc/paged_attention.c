@@ -24,6 +24,10 @@ static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
 }
 
+/* K blocks a row's walk asks for ahead of the one it reads: two against one, 3-6 %
+ * faster over 256-1536 keys and from DRAM, level over 96 (BENCHMARKS.md §2). */
+#define ZS_KEYS_AHEAD 2
+
 /* Into L2, not L1: asked for in L1, a whole block a time, the lines crowded out the rows
  * in use and held the fill buffers the demand loads wait on (BENCHMARKS.md §2: decode
  * attention 10-17 % faster with K/V in L3, level with K/V in DRAM). Always inlined: GCC
@@ -57,17 +61,26 @@ static inline __attribute__((always_inline)) void attend_row_impl(
     __m128 best[ZS_MAX_GROUP / 4];
     for (int64_t g = 0; g < gp; g += 4) best[g / 4] = _mm_set1_ps(-INFINITY);
     /* The cache blocks are scattered, so the hardware prefetcher starts cold at each
-     * one: ask for the next K block and this block's V rows ahead of their use. */
+     * one: each key asks for its share of the K block ZS_KEYS_AHEAD blocks on and for
+     * its own V row (for the weighted sum after), where a block's lines were asked for
+     * all at once at its start: decode attention 9-14 % faster with K/V in L3, 13 % in
+     * DRAM (BENCHMARKS.md §2). */
     const int64_t row_bytes = d * (int64_t)sizeof(bf16), block_bytes = bs * row_bytes;
-    prefetch_block(k_cache + (((int64_t)table[start / bs] * hkv + h) * bs) * d, block_bytes);
+    const int64_t lines = block_bytes / 64, per_key = (lines + bs - 1) / bs;
+    for (int64_t b = start / bs; b < start / bs + ZS_KEYS_AHEAD && b * bs < len; b++)
+        prefetch_block(k_cache + (((int64_t)table[b] * hkv + h) * bs) * d, block_bytes);
     /* Block by block, so finding a row takes no division. */
     for (int64_t t = 0, b = start / bs; t < n; b++) {
         const int64_t base = ((int64_t)table[b] * hkv + h) * bs * d;
-        prefetch_block(v_cache + base, block_bytes);
-        if ((b + 1) * bs < len)
-            prefetch_block(k_cache + (((int64_t)table[b + 1] * hkv + h) * bs) * d, block_bytes);
+        const char *v_rows = (const char *)(v_cache + base), *k_ahead = NULL;
+        if ((b + ZS_KEYS_AHEAD) * bs < len)
+            k_ahead = (const char *)(k_cache + (((int64_t)table[b + ZS_KEYS_AHEAD] * hkv + h) * bs) * d);
         const int64_t first = start + t - b * bs, stop = len - b * bs < bs ? len - b * bs : bs;
         for (int64_t off = first; off < stop; off++, t++) {
+            for (int64_t i = off * per_key; i < (off + 1) * per_key && i < lines; i++) {
+                _mm_prefetch(v_rows + i * 64, _MM_HINT_T1);
+                if (k_ahead) _mm_prefetch(k_ahead + i * 64, _MM_HINT_T1);
+            }
             const bf16 *kr = k_cache + base + off * d;
             __m512bh kv[ZS_MAX_HEAD_DIM / 32];
             for (int64_t c = 0; c < dk; c++) {
