@@ -209,8 +209,8 @@ static inline __attribute__((always_inline)) void linear_rows_amx(
     }
     for (int64_t kc = 0; kc < k; kc += 32) {
         const bf16 *b = tile + kc / 2 * 2 * ZS_TILE;
-        const char *ahead = (const char *)(next + kc / 2 * 2 * ZS_TILE);
-        if (next && ahead < next_end)
+        const char *ahead = next ? (const char *)(next + kc / 2 * 2 * ZS_TILE) : next_end;
+        if (ahead < next_end)
             for (int i = 0; i < 32; i++) /* 2 KB of what comes next, a K step's worth */
                 _mm_prefetch(ahead + i * 64, _MM_HINT_T1);
         for (int64_t r = kc / 32 * per_step; r < R && r < (kc / 32 + 1) * per_step; r++) {
@@ -282,11 +282,13 @@ static inline __attribute__((always_inline)) void tiles_amx(const struct linear_
             for (int64_t t = s; t < e; t++) {
                 const bf16 *tile = j->packed + t * len;
                 const int64_t left = j->n - t * width;
-                const __mmask16 m0 = lanes16(left), m1 = j->gated || left <= 16 ? 0 : lanes16(left - 16);
+                const __mmask16 m0 = lanes16(left),
+                                m1 = j->gated || left <= 16 ? 0 : lanes16(left - 16);
                 const float *b = j->bias && !j->gated ? j->bias + t * ZS_TILE : NULL;
                 const __m512 bias0 = b ? _mm512_maskz_loadu_ps(m0, b) : _mm512_setzero_ps();
                 const __m512 bias1 = b ? _mm512_maskz_loadu_ps(m1, b + 16) : _mm512_setzero_ps();
-                const bf16 *next = r0 == 0 ? (const bf16 *)((const char *)tile + ZS_STREAM_AHEAD) : NULL;
+                const bf16 *next =
+                    r0 == 0 ? (const bf16 *)((const char *)tile + ZS_STREAM_AHEAD) : NULL;
                 /* Where the block's rows go: f32 out, two lines a row; gated raw, a gate
                  * and an up half. */
                 const int64_t first = r0 * j->ys + t * width;
@@ -294,9 +296,9 @@ static inline __attribute__((always_inline)) void tiles_amx(const struct linear_
                     j->yf ? (const char *)(j->yf + first) : (const char *)(j->y + first);
                 const int64_t second = j->yf ? 64 : j->gated == ZS_GATED_RAW ? j->n * 2 : 0;
                 float *sums = acc[prev.acc == acc[0]];
-                linear_rows_amx(j->x + r0 * j->xs, j->xs, tile, j->k, rows, sums, next, chunk_end,
-                                out, j->ys * (j->yf ? 4 : 2), second, pipelined ? &prev : NULL,
-                                e - s == 1 && j->m > 32);
+                linear_rows_amx(j->x + r0 * j->xs, j->xs, tile, j->k, rows, sums, next,
+                                chunk_end, out, j->ys * (j->yf ? 4 : 2), second,
+                                pipelined ? &prev : NULL, e - s == 1 && j->m > 32);
                 prev = (struct pending){sums, rows, 0, j->yf ? NULL : j->y + first,
                                         j->yf ? j->yf + first : NULL, j->ys, j->n, bias0, bias1,
                                         m0, m1, j->gated};

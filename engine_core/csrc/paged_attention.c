@@ -74,7 +74,7 @@ static inline __attribute__((always_inline)) void attend_row_impl(
         const int64_t base = ((int64_t)table[b] * hkv + h) * bs * d;
         const char *v_rows = (const char *)(v_cache + base), *k_ahead = NULL;
         if ((b + ZS_KEYS_AHEAD) * bs < len)
-            k_ahead = (const char *)(k_cache + (((int64_t)table[b + ZS_KEYS_AHEAD] * hkv + h) * bs) * d);
+            k_ahead = (const char *)(k_cache + ((int64_t)table[b + ZS_KEYS_AHEAD] * hkv + h) * bs * d);
         const int64_t first = start + t - b * bs, stop = len - b * bs < bs ? len - b * bs : bs;
         for (int64_t off = first; off < stop; off++, t++) {
             for (int64_t i = off * per_key; i < (off + 1) * per_key && i < lines; i++) {
