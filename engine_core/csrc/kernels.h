@@ -176,6 +176,14 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* `bytes` from p fetched into L2, not L1: asked for in L1, a whole block a time, decode
+ * attention's lines crowded out the rows in use and held the fill buffers the demand
+ * loads wait on (BENCHMARKS.md §2: 10-17 % slower with K/V in L3). Always inlined: GCC
+ * takes a function that only prefetches for one without effects, and drops the calls. */
+static inline __attribute__((always_inline)) void zs_fetch_l2(const void *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T1);
+}
+
 /* The first `left` lanes (all of them from the vector's width on); left > 0. */
 static inline __mmask16 lanes16(int64_t left) {
     return left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1u);

@@ -187,9 +187,9 @@ static inline __attribute__((always_inline)) void pending_rows(struct pending *e
  * rows after each K step's multiplies: the vector units work while the tile unit
  * does, where after its own multiplies it left the tile unit idle (the gated SiLU
  * epilogue longest: gate/up 35 % faster at 128-512 rows, BENCHMARKS.md §2). Each K
- * step fetches 2 KB from `next` on into L2, up to `next_end`. And it
- * asks for the lines its own epilogue will write, row r's at
- * out + r * out_stride (and + out_second where a row writes two places), for writing:
+ * step fetches 2 KB from `next` on into L2, up to `next_end`. And it asks for the lines
+ * its own epilogue will write, row r's at out + r * out_stride (and + out_second where
+ * a row writes two places), for writing:
  * owned by the time the stores come, they need not wait on memory (BENCHMARKS.md §2:
  * matmuls 14-18 % faster at 128-2048 rows where y starts out of the cache, a decode
  * step ~3 % faster). */
@@ -210,9 +210,7 @@ static inline __attribute__((always_inline)) void linear_rows_amx(
     for (int64_t kc = 0; kc < k; kc += 32) {
         const bf16 *b = tile + kc / 2 * 2 * ZS_TILE;
         const char *ahead = next ? (const char *)(next + kc / 2 * 2 * ZS_TILE) : next_end;
-        if (ahead < next_end)
-            for (int i = 0; i < 32; i++) /* 2 KB of what comes next, a K step's worth */
-                _mm_prefetch(ahead + i * 64, _MM_HINT_T1);
+        if (ahead < next_end) zs_fetch_l2(ahead, 2048); /* a K step's worth of what comes next */
         for (int64_t r = kc / 32 * per_step; r < R && r < (kc / 32 + 1) * per_step; r++) {
             __builtin_prefetch(out + r * out_stride, 1, 3);
             if (out_second) __builtin_prefetch(out + r * out_stride + out_second, 1, 3);

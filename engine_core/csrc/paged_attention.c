@@ -28,14 +28,6 @@ static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
  * faster over 256-1536 keys and from DRAM, level over 96 (BENCHMARKS.md §2). */
 #define ZS_KEYS_AHEAD 2
 
-/* Into L2, not L1: asked for in L1, a whole block a time, the lines crowded out the rows
- * in use and held the fill buffers the demand loads wait on (BENCHMARKS.md §2: decode
- * attention 10-17 % faster with K/V in L3, level with K/V in DRAM). Always inlined: GCC
- * takes a function that only prefetches for one without effects, and drops the calls. */
-static inline __attribute__((always_inline)) void prefetch_block(const bf16 *p, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T1);
-}
-
 /* Inlined into callers with constant d and groups, so the common shapes keep q and
  * the accumulators in registers (a generic loop spills them, several times slower:
  * BENCHMARKS.md §2, "Figures behind the code"). */
@@ -68,7 +60,7 @@ static inline __attribute__((always_inline)) void attend_row_impl(
     const int64_t row_bytes = d * (int64_t)sizeof(bf16), block_bytes = bs * row_bytes;
     const int64_t lines = block_bytes / 64, per_key = (lines + bs - 1) / bs;
     for (int64_t b = start / bs; b < start / bs + ZS_KEYS_AHEAD && b * bs < len; b++)
-        prefetch_block(k_cache + (((int64_t)table[b] * hkv + h) * bs) * d, block_bytes);
+        zs_fetch_l2(k_cache + (((int64_t)table[b] * hkv + h) * bs) * d, block_bytes);
     /* Block by block, so finding a row takes no division. */
     for (int64_t t = 0, b = start / bs; t < n; b++) {
         const int64_t base = ((int64_t)table[b] * hkv + h) * bs * d;
