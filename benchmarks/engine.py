@@ -64,6 +64,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    # Checked before the minutes of decode and prefill measuring, not when the prefix
+    # workload finally builds its prompts.
+    if not 0 <= args.prefix_len < args.prefill_len:
+        raise SystemExit(
+            f"zserve bench engine: --prefix-len ({args.prefix_len}) must be at least 0 and "
+            f"below --prefill-len ({args.prefill_len}): the prefix workload's prompts are "
+            "--prefill-len tokens, of which the first --prefix-len are shared"
+        )
     from engine_core.omp_env import set_up_engine_threads
 
     # As in a serving engine process: torch's OpenMP threads spin briefly, not for

@@ -43,6 +43,21 @@ def test_bench_engine_reports_ratios_prefill_and_prefix_cache(tiny_model, tmp_pa
     assert "of matmul rate" in out and "memory floor ms" in out
 
 
+@pytest.mark.parametrize("prefix_len", ["64", "-1"])
+def test_a_prefix_not_shorter_than_the_prompts_is_refused_before_measuring(tmp_path, prefix_len):
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    # No model is needed: the check comes before anything loads.
+    args = parser.parse_args(
+        ["engine", "--model", str(tmp_path / "none"), "--prefill-len", "64"]
+        + ["--prefix-len", prefix_len]
+    )
+    with pytest.raises(SystemExit) as refused:
+        args.run(args)
+    message = str(refused.value)
+    assert f"--prefix-len ({prefix_len})" in message and "--prefill-len (64)" in message
+
+
 def test_the_limits_count_the_models_weights_and_reads(tiny_model):
     from transformers import AutoModelForCausalLM
 
