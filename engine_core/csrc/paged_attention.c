@@ -35,7 +35,7 @@ static inline __attribute__((always_inline)) void attend_row_impl(
     const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table,
     int64_t start, int64_t len, int64_t h, int64_t hkv, const int64_t groups, const int64_t d,
     int64_t bs, float scale, float softcap, bf16 *out, float *s, int64_t s_stride,
-    const float *part) {
+    const float *part, const int amx) {
     const int64_t n = len - start;
     const int64_t dk = (d + 31) / 32;  /* 32-bf16 chunks of a row (dot products) */
     const int64_t dv = (d + 15) / 16;  /* 16-float chunks of a row (accumulation) */
@@ -52,6 +52,9 @@ static inline __attribute__((always_inline)) void attend_row_impl(
     const int64_t gp = ZS_PAD_GROUPS(groups);
     __m128 best[ZS_MAX_GROUP / 4];
     for (int64_t g = 0; g < gp; g += 4) best[g / 4] = _mm_set1_ps(-INFINITY);
+    float top[16]; /* amx: the scores and P V on the tile unit (zs_row_tiles), not below */
+    if (amx) zs_row_scores(q, k_cache, v_cache, table, start, len, h, hkv, groups, gp, d, scale, s, top);
+    for (int64_t g = 0; amx && g < gp; g += 4) best[g / 4] = _mm_loadu_ps(top + g);
     /* The cache blocks are scattered, so the hardware prefetcher starts cold at each
      * one: each key asks for its share of the K block ZS_KEYS_AHEAD blocks on and for
      * its own V row (for the weighted sum after), where a block's lines were asked for
@@ -59,10 +62,10 @@ static inline __attribute__((always_inline)) void attend_row_impl(
      * DRAM (BENCHMARKS.md §2). */
     const int64_t row_bytes = d * (int64_t)sizeof(bf16), block_bytes = bs * row_bytes;
     const int64_t lines = block_bytes / 64, per_key = (lines + bs - 1) / bs;
-    for (int64_t b = start / bs; b < start / bs + ZS_KEYS_AHEAD && b * bs < len; b++)
+    for (int64_t b = start / bs; !amx && b < start / bs + ZS_KEYS_AHEAD && b * bs < len; b++)
         zs_fetch_l2(k_cache + (((int64_t)table[b] * hkv + h) * bs) * d, block_bytes);
     /* Block by block, so finding a row takes no division. */
-    for (int64_t t = 0, b = start / bs; t < n; b++) {
+    for (int64_t t = amx ? n : 0, b = start / bs; t < n; b++) {
         const int64_t base = ((int64_t)table[b] * hkv + h) * bs * d;
         const char *v_rows = (const char *)(v_cache + base), *k_ahead = NULL;
         if ((b + ZS_KEYS_AHEAD) * bs < len)
@@ -142,11 +145,14 @@ static inline __attribute__((always_inline)) void attend_row_impl(
      * within each 128-bit lane, so accumulator 2c holds dims {0-3, 8-11, 16-19, 24-27} of
      * chunk c and 2c + 1 the others. A last odd key pairs with itself at weight 0. */
     __m512 acc[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM / 16];
+    float sums[16 * 128] __attribute__((aligned(64)));
+    if (amx) zs_row_values(v_cache, table, start, len, h, hkv, gp, d, w, sums);
     for (int64_t g = 0; g < groups; g++)
-        for (int64_t c = 0; c < 2 * dk; c++) acc[g][c] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < 2 * dk; c++)
+            acc[g][c] = amx ? _mm512_loadu_ps(sums + g * d + c * 16) : _mm512_setzero_ps();
     const bf16 *held = NULL;
     int64_t pair = 0;
-    for (int64_t t = 0, b = start / bs; t < n; b++) {
+    for (int64_t t = amx ? n : 0, b = start / bs; t < n; b++) {
         const bf16 *vb = v_cache + ((int64_t)table[b] * hkv + h) * bs * d;
         const int64_t first = start + t - b * bs, stop = len - b * bs < bs ? len - b * bs : bs;
         for (int64_t off = first; off < stop; off++, t++) {
@@ -205,12 +211,13 @@ static inline __attribute__((always_inline)) void attend_row_impl(
 
 #define ZS_ATTEND(D, G)                                                                      \
     attend_row_impl(q, k_cache, v_cache, table, start, len, h, hkv, G, D, bs, scale, softcap, \
-                    out, s, s_stride, part)
+                    out, s, s_stride, part, amx)
 
 static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
                        const int32_t *table, int64_t start, int64_t len, int64_t h,
                        int64_t hkv, int64_t groups, int64_t d, int64_t bs, float scale,
-                       float softcap, bf16 *out, float *s, int64_t s_stride, const float *part) {
+                       float softcap, bf16 *out, float *s, int64_t s_stride, const float *part,
+                       int amx) {
     if (d == 64 && groups == 4) ZS_ATTEND(64, 4);
     else if (d == 64 && groups == 8) ZS_ATTEND(64, 8);
     else if (d == 64 && groups == 2) ZS_ATTEND(64, 2);
@@ -233,8 +240,9 @@ static inline const bf16 *cache_row(const bf16 *cache, const int32_t *table, int
 static void attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
                        const int32_t *table, int64_t start, int64_t len, int64_t h,
                        int64_t hkv, int64_t groups, int64_t d, int64_t bs, float scale,
-                       float softcap, bf16 *out, float *s, int64_t s_stride, const float *part) {
-    (void)part; /* shared prefixes run on the tiles (AVX-512 builds), which this build has not */
+                       float softcap, bf16 *out, float *s, int64_t s_stride, const float *part,
+                       int amx) {
+    (void)part, (void)amx; /* the tiles (shared prefixes, AMX scores): AVX-512 builds only */
     const int64_t n = len - start;
     float qf[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM];
     for (int64_t g = 0; g < groups; g++)
@@ -304,10 +312,11 @@ static void attention_items(const void *job, int64_t begin, int64_t end) {
         const int64_t len = j->row_len[n];
         const int64_t start = item_start(j, n, len);
         const float *part = j->shared && j->shared[n] ? j->partial + (n * j->hq + h * groups) * (d + 2) : NULL;
+        const int amx = zs_row_tiles(start, len, groups, d, j->block_size, j->softcap);
         attend_row(j->q + n * j->q_stride + h * groups * d, j->k_cache, j->v_cache,
                    j->tables + (int64_t)j->row_table[n] * j->table_stride, start, len, h, hkv,
                    groups, d, j->block_size, j->scale, j->softcap,
-                   j->out + n * j->out_stride + h * groups * d, s, j->s_stride, part);
+                   j->out + n * j->out_stride + h * groups * d, s, j->s_stride, part, amx);
     }
 }
 
@@ -392,9 +401,7 @@ static void tiled_then_walked(struct zs_attention_job *j, int64_t rows) {
     free(keyed);
     free(shared);
     free(lists);
-#if ZS_AMX
     zs_amx_release(); /* as zs_linear: the caller's tiles go back */
-#endif
 }
 #endif
 
@@ -418,6 +425,7 @@ void zs_paged_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache,
     }
 #endif
     zs_parallel(rows * hkv, 4, 1, attention_items, &j);
+    zs_amx_release(); /* the long rows' tiles (row_tiles.c) */
 }
 
 static int tiled_enabled = 1;

@@ -383,6 +383,27 @@ def test_decode_rows_sharing_a_cached_prefix_attend_to_it_on_the_tiles(hq, hkv, 
     assert differ == [1, 2, 4, 5, 7, 8, *range(10, 19)], differ
 
 
+@pytest.mark.parametrize(
+    "hq,hkv,d",
+    [(8, 2, 64), (14, 2, 128), (4, 4, 32), (12, 3, 96), (32, 2, 64)],  # gp 4, 8, 4, 4, 16
+)
+def test_long_decode_rows_match_an_fp32_reference(kernels, hq, hkv, d):
+    # Rows of 384 keys and more walk on AMX tiles where the CPU has them (csrc
+    # zs_row_scores / zs_row_values): an odd key count, a last block partly filled, a
+    # sliding window starting at a block's first key (a later start), and one that does
+    # not (the vector walk); shorter rows beside them keep the vector walk.
+    g = torch.Generator().manual_seed(hq * d + 7)
+    k_cache, v_cache = _cache(300, hkv, 16, d, g)
+    tables = torch.randperm(299, generator=g)[:256].add(1).view(4, 64).to(torch.int32)
+    row_table = torch.tensor([0, 1, 2, 3, 0, 3], dtype=torch.int32)
+    row_len = torch.tensor([384, 385, 1000, 1024, 100, 1021], dtype=torch.int32)
+    q = torch.randn(6, 3 * hq * d, generator=g).to(BF16)[:, hq * d : 2 * hq * d]
+    for window in (None, 512):
+        args = (q, k_cache, v_cache, tables, row_table, row_len, hq, d**-0.5, window, None)
+        out = kernels.paged_attention(*args, 1024)
+        torch.testing.assert_close(out.float(), _reference_attention(*args), atol=4e-3, rtol=8e-3)
+
+
 def test_both_builds_agree_on_attention_to_rounding():
     native, portable = cpu_kernels.load(), cpu_kernels.load(portable=True)
     g = torch.Generator().manual_seed(9)
