@@ -163,7 +163,8 @@ ZS_INTERNAL void zs_row_values(const bf16 *v_cache, const int32_t *table, int64_
 /* Whether this process may use the tile registers (asked of Linux once). */
 ZS_INTERNAL int zs_amx_ready(void);
 /* The tile shape this thread has loaded (0: none): each user loads its own when it
- * differs (linear.c's are 1..529, the tiled attention's ZS_AMX_ATTENTION_SHAPE). */
+ * differs (linear.c's are 1..529, the tiled attention's ZS_AMX_ATTENTION_SHAPE, the
+ * long rows' ZS_SCORES_SHAPE and ZS_VALUES_SHAPE and up). */
 ZS_INTERNAL extern __thread int zs_amx_shape;
 /* Loads tile shape `shape` unless it is this thread's already: tile t of rows[t] rows of
  * colsb[t] bytes (NULL: 64; rows 0: unused). */

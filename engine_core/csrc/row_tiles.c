@@ -13,9 +13,9 @@
  */
 #include "kernels.h"
 
-/* Rows of at least this many keys walk on the tiles. From 384 keys, a decode step ran
- * 2-10 % faster; at 96 keys (the standard load), the tiles were 13 % slower
- * (BENCHMARKS.md §2). */
+/* Rows of at least this many keys walk on the tiles: a decode step ran 3-9 % faster at
+ * 32 x 512 and 8 x 1536 keys, where at 96 keys (the standard load) one layer ran 13 %
+ * slower, two tile shapes loaded an item and a last tile half empty (BENCHMARKS.md §2). */
 #define ZS_ROW_TILES_MIN_KEYS 384
 
 int zs_row_tiles(int64_t start, int64_t len, int64_t groups, int64_t d, int64_t block_size,
