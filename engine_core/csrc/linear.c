@@ -411,9 +411,7 @@ void zs_linear(const bf16 *x, int64_t xs, const bf16 *packed, const float *bias,
         else part.y = (bf16 *)y + r0 * ys;
         zs_parallel(tiles, grain, part.m * n * k >= 16 * ZS_PARALLEL_MIN, linear_tiles, &part);
     }
-#if ZS_AMX
     zs_amx_release();
-#endif
 }
 
 /* Whether zs_linear runs on the tile unit here (K a multiple of 32). */
