@@ -106,7 +106,7 @@ static inline int64_t zs_first_key(int64_t len, int64_t window) {
     return (window > 0 && len > window) ? len - window : 0;
 }
 
-/* One call of zs_paged_attention, as its row walks (paged_attention.c) and its tiles
+/* One call of zs_paged_attention, as its row walks (row_walk.c) and its tiles
  * (tiled_attention.c) both read it. */
 struct zs_attention_job {
     const bf16 *q;
@@ -141,6 +141,16 @@ ZS_INTERNAL int zs_tiled_attention_fits(int64_t hq, int64_t hkv, int64_t d, int6
 ZS_INTERNAL void zs_tiled_attention(const struct zs_attention_job *job,
                                     const struct zs_tile_item *items, int64_t num_items);
 #endif
+/* Query heads per KV head, padded to a divisor of 16 (the AVX-512 scores' layout). */
+#define ZS_PAD_GROUPS(g) ((g) <= 4 ? 4 : (g) <= 8 ? 8 : 16)
+/* Row n of a job attends, query heads h * groups on, to keys [start, len) of KV head h
+ * through its block table (row_walk.c); s: scratch of ZS_PAD_GROUPS(groups) * s_stride
+ * floats; part: the shared prefix's sums to merge, or NULL; amx: zs_row_tiles' answer. */
+ZS_INTERNAL void zs_attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
+                               const int32_t *table, int64_t start, int64_t len, int64_t h,
+                               int64_t hkv, int64_t groups, int64_t d, int64_t bs, float scale,
+                               float softcap, bf16 *out, float *s, int64_t s_stride,
+                               const float *part, int amx);
 /* Whether a decode row's keys [start, len) walk on the tile unit (row_tiles.c): AMX
  * granted, a long row of whole 16-key blocks, d <= 128 a multiple of 32, no soft cap. */
 ZS_INTERNAL int zs_row_tiles(int64_t start, int64_t len, int64_t groups, int64_t d,

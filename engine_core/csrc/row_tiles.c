@@ -1,6 +1,6 @@
 /*
  * A long decode row's walk on the tile unit, for the rows zs_row_tiles picks
- * (paged_attention.c walks the rest on vector dot products): one row's query heads of
+ * (row_walk.c walks the rest on the vector units): one row's query heads of
  * one KV head against its keys, 16-key block by block.
  *
  * The scores go as S = K Qᵀ: each block's 16 keys are the A operand, read straight from

@@ -1,7 +1,7 @@
 /*
  * Attention on AMX tiles for rows that attend to the same keys: a run of rows of one
  * sequence (a prompt chunk), or decode rows over the cached prefix they share. Instead
- * of each row walking its keys alone (paged_attention.c), 16 query heads of a few
+ * of each row walking its keys alone (row_walk.c), 16 query heads of a few
  * rows at a time take the tile unit's 16 x 16 x 32 products against 16 keys, read
  * straight from the cache blocks. Per work item (up to ZS_TILE_ROWS rows, one KV
  * head): the item's K/V are laid out once in the tiles' pair-interleaved form, then
@@ -296,7 +296,7 @@ static void tiled_item(const struct zs_attention_job *j, const struct zs_tile_it
             for (int64_t t = 0; t < d16; t++) pv_vec(pb, nk32, vn, d16, g0, g1, t, o, d);
         for (int64_t c = 0; c < cols; c++) {
             const int64_t n = it->rows[r0 + c / groups], head = h * groups + c % groups;
-            if (it->shared) { /* the sums, for the row walk to finish (paged_attention.c) */
+            if (it->shared) { /* the sums, for the row walk to finish (row_walk.c) */
                 float *dst = j->partial + (n * j->hq + head) * (d + 2);
                 memcpy(dst, o + c * d, (size_t)d * sizeof(float));
                 dst[d] = shift[c], dst[d + 1] = inv[c];
