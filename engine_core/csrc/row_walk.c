@@ -2,13 +2,35 @@
  * One decode row's attention on the vector units (paged_attention.c hands out the rows):
  * the query heads of one KV head (GQA) share every K/V row read. Scores are scaled,
  * soft-capped when softcap > 0, and soft-maxed in fp32; the weights are rounded to bf16
- * for the sum of V rows (as the tiles and SDPA do), which then runs on bf16 dot
- * products, two keys at a time: half the arithmetic of fp32 FMAs (BENCHMARKS.md §2).
- * Long rows run their products on the tile unit instead (row_tiles.c).
+ * for the sum of V rows (as the tiles and SDPA do). Long rows run their products on the
+ * tile unit instead (row_tiles.c).
  */
 #include "kernels.h"
 
 #if ZS_AVX512
+
+/* The products' arithmetic. A bf16 dot product does two products a lane, half the
+ * instructions of fp32 FMAs, and on Zen 5 the walk ran faster on them (BENCHMARKS.md
+ * §2). The cores with the tile unit retire a 512-bit one once per 2 cycles and an FMA
+ * twice a cycle, so there the walk widens each bf16 row to floats (even and odd
+ * elements: a shift and a mask) and runs FMAs: x0.57 for P V, x0.68 for the scores in
+ * a microbenchmark (BENCHMARKS.md §2). A row vector is `zs_wv`, ZS_WV of them a 32-bf16
+ * chunk; both products are exact, only the order of the sums differs. */
+#define ZS_WALK_FMA ZS_AMX
+#if ZS_WALK_FMA
+typedef __m512 zs_wv;
+#define ZS_WV 2
+#define ZS_DOT(acc, a, b) _mm512_fmadd_ps(a, b, acc)
+static inline void widen(__m512i raw, zs_wv *out) {
+    out[0] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    out[1] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32((int)0xffff0000u)));
+}
+#else
+typedef __m512bh zs_wv;
+#define ZS_WV 1
+#define ZS_DOT(acc, a, b) _mm512_dpbf16_ps(acc, a, b)
+static inline void widen(__m512i raw, zs_wv *out) { out[0] = (__m512bh)raw; }
+#endif
 
 /* The sums of four vectors: [sum a, sum b, sum c, sum d]. */
 static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -34,13 +56,11 @@ static inline __attribute__((always_inline)) void attend_row_impl(
     const int64_t n = len - start;
     const int64_t dk = (d + 31) / 32;  /* 32-bf16 chunks of a row (dot products) */
     const int64_t dv = (d + 15) / 16;  /* 16-float chunks of a row (accumulation) */
-    __m512bh qv[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM / 32];
+    zs_wv qv[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM / 32 * ZS_WV];
     for (int64_t g = 0; g < ZS_PAD_GROUPS(groups); g++)
         for (int64_t c = 0; c < dk; c++) {
-            const int64_t left = d - c * 32;
-            const __mmask32 m = lanes32(left);
-            qv[g][c] = g < groups ? (__m512bh)_mm512_maskz_loadu_epi16(m, q + g * d + c * 32)
-                                  : (__m512bh)_mm512_setzero_si512();
+            const __mmask32 m = g < groups ? lanes32(d - c * 32) : 0;
+            widen(_mm512_maskz_loadu_epi16(m, q + g * d + c * 32), qv[g] + c * ZS_WV);
         }
     /* Scores go key-major, s[t * gp + g], gp a divisor of 16: each key's scores are
      * one store, and the softmax below runs on whole vectors. */
@@ -72,19 +92,16 @@ static inline __attribute__((always_inline)) void attend_row_impl(
                 if (k_ahead) _mm_prefetch(k_ahead + i * 64, _MM_HINT_T1);
             }
             const bf16 *kr = k_cache + base + off * d;
-            __m512bh kv[ZS_MAX_HEAD_DIM / 32];
-            for (int64_t c = 0; c < dk; c++) {
-                const int64_t left = d - c * 32;
-                const __mmask32 m = lanes32(left);
-                kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(m, kr + c * 32);
-            }
+            zs_wv kv[ZS_MAX_HEAD_DIM / 32 * ZS_WV];
+            for (int64_t c = 0; c < dk; c++)
+                widen(_mm512_maskz_loadu_epi16(lanes32(d - c * 32), kr + c * 32), kv + c * ZS_WV);
             for (int64_t g = 0; g < gp; g += 4) {
                 __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                for (int64_t c = 0; c < dk; c++) {
-                    a0 = _mm512_dpbf16_ps(a0, qv[g][c], kv[c]);
-                    a1 = _mm512_dpbf16_ps(a1, qv[g + 1][c], kv[c]);
-                    a2 = _mm512_dpbf16_ps(a2, qv[g + 2][c], kv[c]);
-                    a3 = _mm512_dpbf16_ps(a3, qv[g + 3][c], kv[c]);
+                for (int64_t c = 0; c < dk * ZS_WV; c++) {
+                    a0 = ZS_DOT(a0, qv[g][c], kv[c]);
+                    a1 = ZS_DOT(a1, qv[g + 1][c], kv[c]);
+                    a2 = ZS_DOT(a2, qv[g + 2][c], kv[c]);
+                    a3 = ZS_DOT(a3, qv[g + 3][c], kv[c]);
                 }
                 __m128 r = _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale));
                 if (softcap > 0.f) {
@@ -123,7 +140,8 @@ static inline __attribute__((always_inline)) void attend_row_impl(
         inv[g] = 1.f / total;
     }
     /* The weights as bf16 pairs of consecutive keys, pair-major: w[j * gp + g] holds
-     * keys 2j and 2j + 1 of query head g (in place: each 32 floats become 16 pairs). */
+     * keys 2j and 2j + 1 of query head g (in place: each 32 floats become 16 pairs), for
+     * the dot products and the tiles; FMAs take the floats as they are. */
     int32_t *w = (int32_t *)s;
     int16_t pick[32];
     for (int64_t e = 0; e < 32; e++) {
@@ -131,14 +149,15 @@ static inline __attribute__((always_inline)) void attend_row_impl(
         pick[e] = (int16_t)(key * gp + j % gp);
     }
     const __m512i order = _mm512_loadu_si512(pick);
-    for (int64_t i = 0; i < padded; i += 32) {
+    for (int64_t i = 0; (amx || !ZS_WALK_FMA) && i < padded; i += 32) {
         const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + i + 16),
                                                           _mm512_loadu_ps(s + i));
         _mm512_storeu_si512(w + i / 2, _mm512_permutexvar_epi16(order, both));
     }
-    /* Weighted V rows, two keys at a time on bf16 dot products: rows t and t + 1 unpacked
+    /* Weighted V rows. On bf16 dot products two keys at a time: rows t and t + 1 unpacked
      * within each 128-bit lane, so accumulator 2c holds dims {0-3, 8-11, 16-19, 24-27} of
-     * chunk c and 2c + 1 the others. A last odd key pairs with itself at weight 0. */
+     * chunk c and 2c + 1 the others (the tiles' sums too); a last odd key pairs with
+     * itself at weight 0. On FMAs a key at a time, 2c the even dims and 2c + 1 the odd. */
     __m512 acc[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM / 16];
     float sums[16 * 128] __attribute__((aligned(64)));
     if (amx) zs_row_values(v_cache, table, start, len, h, hkv, gp, d, w, sums);
@@ -152,6 +171,16 @@ static inline __attribute__((always_inline)) void attend_row_impl(
         const int64_t first = start + t - b * bs, stop = len - b * bs < bs ? len - b * bs : bs;
         for (int64_t off = first; off < stop; off++, t++) {
             const bf16 *vr = vb + off * d;
+#if ZS_WALK_FMA
+            zs_wv vw[ZS_MAX_HEAD_DIM / 16];
+            for (int64_t c = 0; c < dk; c++)
+                widen(_mm512_maskz_loadu_epi16(lanes32(d - c * 32), vr + c * 32), vw + 2 * c);
+            for (int64_t g = 0; g < groups; g++) {
+                const __m512 p = _mm512_set1_ps(s[t * gp + g]);
+                for (int64_t c = 0; c < 2 * dk; c++) acc[g][c] = _mm512_fmadd_ps(p, vw[c], acc[g][c]);
+            }
+            (void)held, (void)pair;
+#else
             if (!held && t + 1 < n) {
                 held = vr;
                 continue;
@@ -172,12 +201,17 @@ static inline __attribute__((always_inline)) void attend_row_impl(
                     acc[g][c] = _mm512_dpbf16_ps(acc[g][c], p, (__m512bh)vp[c]);
             }
             pair++;
+#endif
         }
     }
     /* Back in dim order, into another array in loops unrolled whole: `acc` is read only at
      * constant indices, so it stays in registers above (else GCC stores it every pair). */
-    const __m512i lo_dims = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i hi_dims = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    __m512i lo_dims = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    __m512i hi_dims = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    if (ZS_WALK_FMA && !amx) { /* even and odd dims */
+        lo_dims = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        hi_dims = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    }
     __m512 res[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM / 16];
 #pragma GCC unroll 16
     for (int64_t g = 0; g < groups; g++)
