@@ -23,7 +23,7 @@ int zs_amx_ready(void) {
 
 __thread int zs_amx_shape; /* this thread's loaded shape (0: none) */
 
-void zs_amx_load(int shape, const uint8_t rows[8], const uint16_t colsb[8]) {
+void zs_amx_load(int shape, const uint8_t rows[8]) {
     if (zs_amx_shape == shape) return;
     struct {
         uint8_t palette, start;
@@ -34,7 +34,7 @@ void zs_amx_load(int shape, const uint8_t rows[8], const uint16_t colsb[8]) {
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = rows[t] ? (colsb ? colsb[t] : 64) : 0;
+        cfg.colsb[t] = rows[t] ? 64 : 0;
         cfg.rows[t] = rows[t];
     }
     /* GCC does not count ldtilecfg as reading all 64 bytes and drops the stores above

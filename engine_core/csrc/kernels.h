@@ -145,40 +145,21 @@ ZS_INTERNAL void zs_tiled_attention(const struct zs_attention_job *job,
 #define ZS_PAD_GROUPS(g) ((g) <= 4 ? 4 : (g) <= 8 ? 8 : 16)
 /* Row n of a job attends, query heads h * groups on, to keys [start, len) of KV head h
  * through its block table (row_walk.c); s: scratch of ZS_PAD_GROUPS(groups) * s_stride
- * floats; part: the shared prefix's sums to merge, or NULL; amx: zs_row_tiles' answer. */
+ * floats; part: the shared prefix's sums to merge, or NULL. */
 ZS_INTERNAL void zs_attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
                                const int32_t *table, int64_t start, int64_t len, int64_t h,
                                int64_t hkv, int64_t groups, int64_t d, int64_t bs, float scale,
                                float softcap, bf16 *out, float *s, int64_t s_stride,
-                               const float *part, int amx);
-/* Whether a decode row's keys [start, len) walk on the tile unit (row_tiles.c): AMX
- * granted, a long row of whole 16-key blocks, d <= 128 a multiple of 32, no soft cap. */
-ZS_INTERNAL int zs_row_tiles(int64_t start, int64_t len, int64_t groups, int64_t d,
-                             int64_t block_size, float softcap);
-#if ZS_AVX512
-/* Then zs_row_scores puts the scaled scores key-major into s (s[t * gp + g], gp a key,
- * heads past `groups` zero) and each head's maximum into best[g]. */
-ZS_INTERNAL void zs_row_scores(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache,
-                               const int32_t *table, int64_t start, int64_t len, int64_t h,
-                               int64_t hkv, int64_t groups, int64_t gp, int64_t d,
-                               float scale, float *s, float *best);
-/* And its weighted sum of V rows (d <= 128): w the weights as the row walk packs them
- * (w[j * gp + g]: keys 2j and 2j + 1 of head g, bf16 pairs), acc [gp][d] in the walk's
- * unpacked dim order (16 floats for each half of each 32-dim chunk). */
-ZS_INTERNAL void zs_row_values(const bf16 *v_cache, const int32_t *table, int64_t start,
-                               int64_t len, int64_t h, int64_t hkv, int64_t gp, int64_t d,
-                               const int32_t *w, float *acc);
-#endif
+                               const float *part);
 #if ZS_AMX
 /* Whether this process may use the tile registers (asked of Linux once). */
 ZS_INTERNAL int zs_amx_ready(void);
 /* The tile shape this thread has loaded (0: none): each user loads its own when it
- * differs (linear.c's are 1..529, the tiled attention's ZS_AMX_ATTENTION_SHAPE, the
- * long rows' ZS_SCORES_SHAPE and ZS_VALUES_SHAPE and up). */
+ * differs (linear.c's are 1..529, the tiled attention's ZS_AMX_ATTENTION_SHAPE). */
 ZS_INTERNAL extern __thread int zs_amx_shape;
 /* Loads tile shape `shape` unless it is this thread's already: tile t of rows[t] rows of
- * colsb[t] bytes (NULL: 64; rows 0: unused). */
-ZS_INTERNAL void zs_amx_load(int shape, const uint8_t rows[8], const uint16_t colsb[8]);
+ * 64 bytes (0: unused). */
+ZS_INTERNAL void zs_amx_load(int shape, const uint8_t rows[8]);
 /* Gives the calling thread's tiles back (a caller's, after a job; the pool's workers
  * keep theirs). */
 ZS_INTERNAL void zs_amx_release(void);

@@ -144,7 +144,7 @@ static inline __attribute__((always_inline)) void linear_rows(
 static void amx_configure(int rows_of_x) {
     const int r0 = rows_of_x < 16 ? rows_of_x : 16, r1 = rows_of_x - r0;
     const uint8_t rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
-    zs_amx_load(r0 + 32 * r1 + 1, rows, NULL);
+    zs_amx_load(r0 + 32 * r1 + 1, rows);
 }
 
 /* A tile load that does not keep its lines in L1 (TILELOADDT1) where `stream`. Of the

@@ -28,11 +28,10 @@ static void attention_items(const void *job, int64_t begin, int64_t end) {
         const int64_t len = j->row_len[n];
         const int64_t start = item_start(j, n, len);
         const float *part = j->shared && j->shared[n] ? j->partial + (n * j->hq + h * groups) * (d + 2) : NULL;
-        const int amx = zs_row_tiles(start, len, groups, d, j->block_size, j->softcap);
         zs_attend_row(j->q + n * j->q_stride + h * groups * d, j->k_cache, j->v_cache,
                       j->tables + (int64_t)j->row_table[n] * j->table_stride, start, len, h, hkv,
                       groups, d, j->block_size, j->scale, j->softcap,
-                      j->out + n * j->out_stride + h * groups * d, s, j->s_stride, part, amx);
+                      j->out + n * j->out_stride + h * groups * d, s, j->s_stride, part);
     }
 }
 
@@ -141,7 +140,6 @@ void zs_paged_attention(const bf16 *q, int64_t q_stride, const bf16 *k_cache,
     }
 #endif
     zs_parallel(rows * hkv, 4, 1, attention_items, &j);
-    zs_amx_release(); /* the long rows' tiles (row_tiles.c) */
 }
 
 static int tiled_enabled = 1;

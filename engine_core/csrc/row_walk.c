@@ -2,8 +2,7 @@
  * One decode row's attention on the vector units (paged_attention.c hands out the rows):
  * the query heads of one KV head (GQA) share every K/V row read. Scores are scaled,
  * soft-capped when softcap > 0, and soft-maxed in fp32; the weights are rounded to bf16
- * for the sum of V rows (as the tiles and SDPA do). Long rows run their products on the
- * tile unit instead (row_tiles.c).
+ * for the sum of V rows (as the tiles and SDPA do).
  */
 #include "kernels.h"
 
@@ -52,7 +51,7 @@ static inline __attribute__((always_inline)) void attend_row_impl(
     const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table,
     int64_t start, int64_t len, int64_t h, int64_t hkv, const int64_t groups, const int64_t d,
     int64_t bs, float scale, float softcap, bf16 *out, float *s, int64_t s_stride,
-    const float *part, const int amx) {
+    const float *part) {
     const int64_t n = len - start;
     const int64_t dk = (d + 31) / 32;  /* 32-bf16 chunks of a row (dot products) */
     const int64_t dv = (d + 15) / 16;  /* 16-float chunks of a row (accumulation) */
@@ -67,9 +66,6 @@ static inline __attribute__((always_inline)) void attend_row_impl(
     const int64_t gp = ZS_PAD_GROUPS(groups);
     __m128 best[ZS_MAX_GROUP / 4];
     for (int64_t g = 0; g < gp; g += 4) best[g / 4] = _mm_set1_ps(-INFINITY);
-    float top[16]; /* amx: the scores and P V on the tile unit (zs_row_tiles), not below */
-    if (amx) zs_row_scores(q, k_cache, v_cache, table, start, len, h, hkv, groups, gp, d, scale, s, top);
-    for (int64_t g = 0; amx && g < gp; g += 4) best[g / 4] = _mm_loadu_ps(top + g);
     /* The cache blocks are scattered, so the hardware prefetcher starts cold at each
      * one: each key asks for its share of the K block ZS_KEYS_AHEAD blocks on and for
      * its own V row (for the weighted sum after), where a block's lines were asked for
@@ -77,10 +73,10 @@ static inline __attribute__((always_inline)) void attend_row_impl(
      * DRAM (BENCHMARKS.md §2). */
     const int64_t row_bytes = d * (int64_t)sizeof(bf16), block_bytes = bs * row_bytes;
     const int64_t lines = block_bytes / 64, per_key = (lines + bs - 1) / bs;
-    for (int64_t b = start / bs; !amx && b < start / bs + ZS_KEYS_AHEAD && b * bs < len; b++)
+    for (int64_t b = start / bs; b < start / bs + ZS_KEYS_AHEAD && b * bs < len; b++)
         zs_fetch_l2(k_cache + (((int64_t)table[b] * hkv + h) * bs) * d, block_bytes);
     /* Block by block, so finding a row takes no division. */
-    for (int64_t t = amx ? n : 0, b = start / bs; t < n; b++) {
+    for (int64_t t = 0, b = start / bs; t < n; b++) {
         const int64_t base = ((int64_t)table[b] * hkv + h) * bs * d;
         const char *v_rows = (const char *)(v_cache + base), *k_ahead = NULL;
         if ((b + ZS_KEYS_AHEAD) * bs < len)
@@ -139,34 +135,34 @@ static inline __attribute__((always_inline)) void attend_row_impl(
         for (int64_t l = g; l < 16; l += gp) total += lane_sum[l];
         inv[g] = 1.f / total;
     }
+#if !ZS_WALK_FMA /* FMAs take the weights as they are */
     /* The weights as bf16 pairs of consecutive keys, pair-major: w[j * gp + g] holds
-     * keys 2j and 2j + 1 of query head g (in place: each 32 floats become 16 pairs), for
-     * the dot products and the tiles; FMAs take the floats as they are. */
-    int32_t *w = (int32_t *)s;
+     * keys 2j and 2j + 1 of query head g (in place: each 32 floats become 16 pairs). */
+    const int32_t *w = (const int32_t *)s;
     int16_t pick[32];
     for (int64_t e = 0; e < 32; e++) {
         const int64_t j = e / 2, key = 2 * (j / gp) + e % 2;
         pick[e] = (int16_t)(key * gp + j % gp);
     }
     const __m512i order = _mm512_loadu_si512(pick);
-    for (int64_t i = 0; (amx || !ZS_WALK_FMA) && i < padded; i += 32) {
+    for (int64_t i = 0; i < padded; i += 32) {
         const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + i + 16),
                                                           _mm512_loadu_ps(s + i));
-        _mm512_storeu_si512(w + i / 2, _mm512_permutexvar_epi16(order, both));
+        _mm512_storeu_si512((int32_t *)s + i / 2, _mm512_permutexvar_epi16(order, both));
     }
+#endif
     /* Weighted V rows. On bf16 dot products two keys at a time: rows t and t + 1 unpacked
      * within each 128-bit lane, so accumulator 2c holds dims {0-3, 8-11, 16-19, 24-27} of
-     * chunk c and 2c + 1 the others (the tiles' sums too); a last odd key pairs with
-     * itself at weight 0. On FMAs a key at a time, 2c the even dims and 2c + 1 the odd. */
+     * chunk c and 2c + 1 the others; a last odd key pairs with itself at weight 0. On
+     * FMAs a key at a time, 2c the even dims and 2c + 1 the odd. */
     __m512 acc[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM / 16];
-    float sums[16 * 128] __attribute__((aligned(64)));
-    if (amx) zs_row_values(v_cache, table, start, len, h, hkv, gp, d, w, sums);
     for (int64_t g = 0; g < groups; g++)
-        for (int64_t c = 0; c < 2 * dk; c++)
-            acc[g][c] = amx ? _mm512_loadu_ps(sums + g * d + c * 16) : _mm512_setzero_ps();
+        for (int64_t c = 0; c < 2 * dk; c++) acc[g][c] = _mm512_setzero_ps();
+#if !ZS_WALK_FMA
     const bf16 *held = NULL;
     int64_t pair = 0;
-    for (int64_t t = amx ? n : 0, b = start / bs; t < n; b++) {
+#endif
+    for (int64_t t = 0, b = start / bs; t < n; b++) {
         const bf16 *vb = v_cache + ((int64_t)table[b] * hkv + h) * bs * d;
         const int64_t first = start + t - b * bs, stop = len - b * bs < bs ? len - b * bs : bs;
         for (int64_t off = first; off < stop; off++, t++) {
@@ -179,7 +175,6 @@ static inline __attribute__((always_inline)) void attend_row_impl(
                 const __m512 p = _mm512_set1_ps(s[t * gp + g]);
                 for (int64_t c = 0; c < 2 * dk; c++) acc[g][c] = _mm512_fmadd_ps(p, vw[c], acc[g][c]);
             }
-            (void)held, (void)pair;
 #else
             if (!held && t + 1 < n) {
                 held = vr;
@@ -206,12 +201,13 @@ static inline __attribute__((always_inline)) void attend_row_impl(
     }
     /* Back in dim order, into another array in loops unrolled whole: `acc` is read only at
      * constant indices, so it stays in registers above (else GCC stores it every pair). */
-    __m512i lo_dims = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    __m512i hi_dims = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    if (ZS_WALK_FMA && !amx) { /* even and odd dims */
-        lo_dims = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-        hi_dims = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    }
+#if ZS_WALK_FMA
+    const __m512i lo_dims = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_dims = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+#else
+    const __m512i lo_dims = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi_dims = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+#endif
     __m512 res[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM / 16];
 #pragma GCC unroll 16
     for (int64_t g = 0; g < groups; g++)
@@ -240,12 +236,12 @@ static inline __attribute__((always_inline)) void attend_row_impl(
 
 #define ZS_ATTEND(D, G)                                                                      \
     attend_row_impl(q, k_cache, v_cache, table, start, len, h, hkv, G, D, bs, scale, softcap, \
-                    out, s, s_stride, part, amx)
+                    out, s, s_stride, part)
 
 void zs_attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table,
                    int64_t start, int64_t len, int64_t h, int64_t hkv, int64_t groups, int64_t d,
                    int64_t bs, float scale, float softcap, bf16 *out, float *s, int64_t s_stride,
-                   const float *part, int amx) {
+                   const float *part) {
     if (d == 64 && groups == 4) ZS_ATTEND(64, 4);
     else if (d == 64 && groups == 8) ZS_ATTEND(64, 8);
     else if (d == 64 && groups == 2) ZS_ATTEND(64, 2);
@@ -268,8 +264,8 @@ static inline const bf16 *cache_row(const bf16 *cache, const int32_t *table, int
 void zs_attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table,
                    int64_t start, int64_t len, int64_t h, int64_t hkv, int64_t groups, int64_t d,
                    int64_t bs, float scale, float softcap, bf16 *out, float *s, int64_t s_stride,
-                   const float *part, int amx) {
-    (void)part, (void)amx; /* the tiles (shared prefixes, AMX scores): AVX-512 builds only */
+                   const float *part) {
+    (void)part; /* the tiles for shared prefixes: AVX-512 builds only */
     const int64_t n = len - start;
     float qf[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM];
     for (int64_t g = 0; g < groups; g++)

@@ -28,7 +28,7 @@
  * C in 2, P V's C in 4-7 (64 output dims a pass). */
 static void tiles_configure(void) {
     static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
-    zs_amx_load(ZS_AMX_ATTENTION_SHAPE, rows, NULL);
+    zs_amx_load(ZS_AMX_ATTENTION_SHAPE, rows);
 }
 #endif
 

@@ -388,10 +388,9 @@ def test_decode_rows_sharing_a_cached_prefix_attend_to_it_on_the_tiles(hq, hkv, 
     [(8, 2, 64), (14, 2, 128), (4, 4, 32), (12, 3, 96), (32, 2, 64)],  # gp 4, 8, 4, 4, 16
 )
 def test_long_decode_rows_match_an_fp32_reference(kernels, hq, hkv, d):
-    # Rows of 384 keys and more walk on AMX tiles where the CPU has them (csrc
-    # zs_row_scores / zs_row_values): an odd key count, a last block partly filled, a
-    # sliding window starting at a block's first key (a later start), and one that does
-    # not (the vector walk); shorter rows beside them keep the vector walk.
+    # Long rows against the fp32 reference (csrc/row_walk.c): an odd key count, a last
+    # block partly filled, a sliding window starting at a block's first key and one
+    # that does not, and short rows beside them.
     g = torch.Generator().manual_seed(hq * d + 7)
     k_cache, v_cache = _cache(300, hkv, 16, d, g)
     tables = torch.randperm(299, generator=g)[:256].add(1).view(4, 64).to(torch.int32)
