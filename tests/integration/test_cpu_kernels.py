@@ -57,11 +57,12 @@ def test_rms_norm_matches_torchs_bf16_ops(kernels, rows, hidden):
     _assert_bf16_close(kernels.rms_norm(x, w, 1e-6), _torch_rms_norm(x, w, 1e-6))
 
 
-def test_rms_norm_with_residual_adds_in_place_first(kernels):
+@pytest.mark.parametrize("hidden", [512, 1000])  # 1000: a last vector partly filled
+def test_rms_norm_with_residual_adds_in_place_first(kernels, hidden):
     g = torch.Generator().manual_seed(1)
-    residual = torch.randn(33, 512, generator=g).to(BF16)
-    delta = torch.randn(33, 512, generator=g).to(BF16)
-    w = torch.randn(512, generator=g).to(BF16)
+    residual = torch.randn(33, hidden, generator=g).to(BF16)
+    delta = torch.randn(33, hidden, generator=g).to(BF16)
+    w = torch.randn(hidden, generator=g).to(BF16)
     expected_sum = residual + delta
     out = kernels.rms_norm(delta, w, 1e-5, residual=residual)
     assert torch.equal(residual, expected_sum)
