@@ -261,6 +261,13 @@ static inline const bf16 *cache_row(const bf16 *cache, const int32_t *table, int
     return cache + (((int64_t)table[pos / bs] * hkv + h) * bs + pos % bs) * d;
 }
 
+/* That row widened to floats. */
+static inline void row_floats(const bf16 *cache, const int32_t *table, int64_t pos, int64_t h,
+                              int64_t hkv, int64_t bs, int64_t d, float *out) {
+    const bf16 *row = cache_row(cache, table, pos, h, hkv, bs, d);
+    for (int64_t j = 0; j < d; j++) out[j] = bf2f(row[j]);
+}
+
 void zs_attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, const int32_t *table,
                    int64_t start, int64_t len, int64_t h, int64_t hkv, int64_t groups, int64_t d,
                    int64_t bs, float scale, float softcap, bf16 *out, float *s, int64_t s_stride,
@@ -273,10 +280,8 @@ void zs_attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, cons
     float best[ZS_MAX_GROUP];
     for (int64_t g = 0; g < groups; g++) best[g] = -INFINITY;
     for (int64_t t = 0; t < n; t++) {
-        const int64_t pos = start + t;
-        const bf16 *kr = cache_row(k_cache, table, pos, h, hkv, bs, d);
         float kf[ZS_MAX_HEAD_DIM];
-        for (int64_t j = 0; j < d; j++) kf[j] = bf2f(kr[j]);
+        row_floats(k_cache, table, start + t, h, hkv, bs, d, kf);
         for (int64_t g = 0; g < groups; g++) {
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -299,10 +304,8 @@ void zs_attend_row(const bf16 *q, const bf16 *k_cache, const bf16 *v_cache, cons
     float acc[ZS_MAX_GROUP][ZS_MAX_HEAD_DIM];
     memset(acc, 0, sizeof(acc));
     for (int64_t t = 0; t < n; t++) {
-        const int64_t pos = start + t;
-        const bf16 *vr = cache_row(v_cache, table, pos, h, hkv, bs, d);
         float vf[ZS_MAX_HEAD_DIM];
-        for (int64_t j = 0; j < d; j++) vf[j] = bf2f(vr[j]);
+        row_floats(v_cache, table, start + t, h, hkv, bs, d, vf);
         for (int64_t g = 0; g < groups; g++) {
             const float p = s[g * s_stride + t];
 #pragma omp simd
