@@ -18,11 +18,8 @@ struct rms_job {
 };
 
 #if ZS_AVX512
-/* Masked only where a row ends: with masked loads and stores throughout, 128 rows of 512
- * took x1.17 as long, most of it the loads (BENCHMARKS.md §2). */
-static inline __m512 load16(const bf16 *p, __mmask16 m) {
-    return m == 0xffff ? bf16_as_f32(_mm256_loadu_si256((const __m256i *)p)) : load_bf16_as_f32(p, m);
-}
+/* Stored masked only where a row ends, as load_bf16_as_f32 loads (with every store
+ * masked, 128 rows of 512 took x1.05 as long; BENCHMARKS.md §2). */
 static inline void store16(bf16 *p, __mmask16 m, __m256i v) {
     if (m == 0xffff) _mm256_storeu_si256((__m256i *)p, v);
     else _mm256_mask_storeu_epi16(p, m, v);
@@ -41,10 +38,10 @@ static void rms_rows(const void *job, int64_t begin, int64_t end) {
         __m512 squares = _mm512_setzero_ps();
         for (int64_t i = 0; i < hidden; i += 16) {
             const __mmask16 m = lanes16(hidden - i);
-            __m512 v = load16(xr + i, m);
+            __m512 v = load_bf16_as_f32(xr + i, m);
             if (res) {
                 const __m256i sum =
-                    (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(load16(res + i, m), v));
+                    (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(load_bf16_as_f32(res + i, m), v));
                 store16(res + i, m, sum);
                 v = bf16_as_f32(sum);
             }
@@ -56,8 +53,8 @@ static void rms_rows(const void *job, int64_t begin, int64_t end) {
         for (int64_t i = 0; i < hidden; i += 16) {
             const __mmask16 m = lanes16(hidden - i);
             const __m512 normed = bf16_as_f32(
-                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load16(src + i, m), inv)));
-            const __m512 scaled = _mm512_mul_ps(load16(j->weight + i, m), normed);
+                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load_bf16_as_f32(src + i, m), inv)));
+            const __m512 scaled = _mm512_mul_ps(load_bf16_as_f32(j->weight + i, m), normed);
             store16(o + i, m, (__m256i)_mm512_cvtneps_pbh(scaled));
         }
     }
