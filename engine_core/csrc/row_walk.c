@@ -31,6 +31,12 @@ typedef __m512bh zs_wv;
 static inline void widen(__m512i raw, zs_wv *out) { out[0] = (__m512bh)raw; }
 #endif
 
+/* A cache row of d bf16 as row vectors (ZS_WV a 32-bf16 chunk). */
+static inline __attribute__((always_inline)) void widen_row(const bf16 *row, int64_t d, zs_wv *out) {
+    for (int64_t c = 0; c < (d + 31) / 32; c++)
+        widen(_mm512_maskz_loadu_epi16(lanes32(d - c * 32), row + c * 32), out + c * ZS_WV);
+}
+
 /* The sums of four vectors: [sum a, sum b, sum c, sum d]. */
 static inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
@@ -89,8 +95,7 @@ static inline __attribute__((always_inline)) void attend_row_impl(
             }
             const bf16 *kr = k_cache + base + off * d;
             zs_wv kv[ZS_MAX_HEAD_DIM / 32 * ZS_WV];
-            for (int64_t c = 0; c < dk; c++)
-                widen(_mm512_maskz_loadu_epi16(lanes32(d - c * 32), kr + c * 32), kv + c * ZS_WV);
+            widen_row(kr, d, kv);
             for (int64_t g = 0; g < gp; g += 4) {
                 __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
                 for (int64_t c = 0; c < dk * ZS_WV; c++) {
@@ -169,8 +174,7 @@ static inline __attribute__((always_inline)) void attend_row_impl(
             const bf16 *vr = vb + off * d;
 #if ZS_WALK_FMA
             zs_wv vw[ZS_MAX_HEAD_DIM / 16];
-            for (int64_t c = 0; c < dk; c++)
-                widen(_mm512_maskz_loadu_epi16(lanes32(d - c * 32), vr + c * 32), vw + 2 * c);
+            widen_row(vr, d, vw);
             for (int64_t g = 0; g < groups; g++) {
                 const __m512 p = _mm512_set1_ps(s[t * gp + g]);
                 for (int64_t c = 0; c < 2 * dk; c++) acc[g][c] = _mm512_fmadd_ps(p, vw[c], acc[g][c]);
