@@ -13,6 +13,7 @@ the forward of step N+1.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -381,6 +382,8 @@ class EngineCoreProc:
                 self.load()
             finally:
                 self.loading = False  # a failed load exits with its own code
+            gc.collect()
+            gc.freeze()  # the model and the libraries' objects never need scanning again
             threads = [
                 threading.Thread(target=self.input_thread, name="engine-input", daemon=True),
                 threading.Thread(

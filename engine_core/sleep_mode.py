@@ -42,7 +42,11 @@ def memory_usage(runner: ModelRunner) -> dict:
 
 
 def _return_freed_memory(device: torch.device) -> None:
-    gc.collect()  # tensors held only by reference cycles go now, not at some later pass
+    # Tensors held only by reference cycles go now, not at some later pass; those among
+    # the objects frozen after loading (process.py) too.
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
     release_free_memory()
     if device.type == "cuda":
         torch.cuda.empty_cache()
