@@ -76,8 +76,15 @@ class Metrics:
         multiprocess = multiprocess_dir() is not None
         registry = None if multiprocess else self.registry
 
-        def histogram(name, doc, buckets, extra=()):
-            return Histogram(p + name, doc, [*labels, *extra], buckets=buckets, registry=registry)
+        # The request metrics' attributes are this model's series: labelled once here
+        # (each exists from the start, at zero, as dashboards expect), not on every
+        # observation.
+        def histogram(name, doc, buckets):
+            family = Histogram(p + name, doc, labels, buckets=buckets, registry=registry)
+            return family.labels(model_name)
+
+        def counter(name, doc):
+            return Counter(p + name, doc, labels, registry=registry).labels(model_name)
 
         tokens = _token_buckets(max_model_len)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY)
@@ -119,21 +126,20 @@ class Metrics:
             tokens,
         )
         self.n_param = histogram("request_params_n", "n per request.", [1, 2, 5, 10, 20])
-        self._itl = self.itl.labels(model_name)
         self._gaps: list[float] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.prompt_tokens = Counter(
-            p + "prompt_tokens", "Prompt tokens processed.", labels, registry=registry
-        )
-        self.generation_tokens = Counter(
-            p + "generation_tokens", "Tokens generated.", labels, registry=registry
-        )
-        self.success = Counter(
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.success_by_reason = Counter(
             p + "request_success",
             "Finished requests.",
             [*labels, "finished_reason"],
             registry=registry,
         )
+        self.success = {
+            reason: self.success_by_reason.labels(model_name, reason)
+            for reason in ("stop", "length", "abort", "error")
+        }
         self.admission_rejections = Counter(
             p + "admission_rejections",
             "Number of admission attempts rejected by a queue limit, by reason.",
@@ -154,27 +160,6 @@ class Metrics:
             registry=registry,
             multiprocess_mode="livesum",
         ).labels(str(client.client_index))
-        # Every series exists from the start (at zero), as dashboards expect.
-        for metric in (
-            self.ttft,
-            self.itl,
-            self.tpot,
-            self.e2e,
-            self.queue,
-            self.inference,
-            self.prefill,
-            self.decode,
-            self.prompt_tokens_hist,
-            self.generation_tokens_hist,
-            self.max_tokens_param,
-            self.max_generation,
-            self.n_param,
-            self.prompt_tokens,
-            self.generation_tokens,
-        ):
-            metric.labels(model_name)
-        for reason in ("stop", "length", "abort", "error"):
-            self.success.labels(model_name, reason)
         for reason in ADMISSION_REASONS:
             self.admission_rejections.labels(model_name, reason)
         if multiprocess:
@@ -201,7 +186,7 @@ class Metrics:
         same in every release since 0.0.x), counting a gap in the first bucket whose
         bound is at or above it, as observe() does."""
         gaps, self._gaps = self._gaps, []
-        child = self._itl
+        child = self.itl
         bounds = child._upper_bounds
         counts = [0] * len(bounds)
         for gap in gaps:
@@ -215,34 +200,34 @@ class Metrics:
         self.admission_rejections.labels(self.model_name, reason).inc()
 
     def observe_request(self, gen: Generation, params_n: int) -> None:
-        name = self.model_name
         finished = time.time()
         for choice in gen.choices:
             self._observe_choice(choice, gen.arrival_time, finished)
-        self.prompt_tokens.labels(name).inc(gen.num_prompt_tokens)
-        self.n_param.labels(name).observe(params_n)
-        self.max_generation.labels(name).observe(max(c.num_generated for c in gen.choices))
+        self.prompt_tokens.inc(gen.num_prompt_tokens)
+        self.n_param.observe(params_n)
+        self.max_generation.observe(max(c.num_generated for c in gen.choices))
 
     def _observe_choice(self, c: Choice, arrival: float, finished: float) -> None:
-        name = self.model_name
-        self.success.labels(name, c.finish_reason or "abort").inc()
-        self.generation_tokens.labels(name).inc(c.num_generated)
-        self.prompt_tokens_hist.labels(name).observe(len(c.prompt_ids))
-        self.generation_tokens_hist.labels(name).observe(c.num_generated)
-        self.max_tokens_param.labels(name).observe(c.params.max_tokens)
-        self.e2e.labels(name).observe(finished - arrival)
+        reason = c.finish_reason or "abort"
+        success = self.success.get(reason)
+        if success is None:
+            success = self.success_by_reason.labels(self.model_name, reason)
+        success.inc()
+        self.generation_tokens.inc(c.num_generated)
+        self.prompt_tokens_hist.observe(len(c.prompt_ids))
+        self.generation_tokens_hist.observe(c.num_generated)
+        self.max_tokens_param.observe(c.params.max_tokens)
+        self.e2e.observe(finished - arrival)
         if c.first_token_time:
             ttft = c.first_token_time - arrival
             queued = min(c.queue_time_s, ttft)
-            self.ttft.labels(name).observe(ttft)
-            self.queue.labels(name).observe(queued)
-            self.prefill.labels(name).observe(ttft - queued)
-            self.inference.labels(name).observe(finished - arrival - queued)
-            self.decode.labels(name).observe(finished - c.first_token_time)
+            self.ttft.observe(ttft)
+            self.queue.observe(queued)
+            self.prefill.observe(ttft - queued)
+            self.inference.observe(finished - arrival - queued)
+            self.decode.observe(finished - c.first_token_time)
             if c.num_generated > 1:
-                self.tpot.labels(name).observe(
-                    (finished - c.first_token_time) / (c.num_generated - 1)
-                )
+                self.tpot.observe((finished - c.first_token_time) / (c.num_generated - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
