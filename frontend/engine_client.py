@@ -270,25 +270,31 @@ class EngineClient:
         for rank, ids in by_engine.items():
             engine = self.engines[rank]
             if engine.alive:
-                self._send(engine, RequestType.ABORT, ids)
+                try:
+                    self._send(engine, RequestType.ABORT, ids)
+                except EngineDeadError:  # marked dead: nothing of it is left to free
+                    pass
 
     def _send(self, engine: EngineState, kind: RequestType, payload: object) -> None:
-        try:
-            self.router.send_multipart([engine.identity, *codec.encode_request(kind, payload)])
-        except zmq.ZMQError as e:  # EHOSTUNREACH: the engine's DEALER is gone
-            self.mark_dead(engine, f"cannot reach engine {engine.rank}: {e}")
-            raise EngineDeadError(engine.dead_reason) from e
+        """Raises EngineDeadError where the engine cannot be reached (EHOSTUNREACH: its
+        DEALER is gone), having marked it dead. The ROUTER has no high-water mark, so
+        its send never waits: the returned future is done, and holds what failed."""
+        sent = self.router.send_multipart([engine.identity, *codec.encode_request(kind, payload)])
+        error = sent.exception() if sent.done() else None
+        if error is not None:
+            self.mark_dead(engine, f"cannot reach engine {engine.rank}: {error}")
+            raise EngineDeadError(engine.dead_reason) from error
 
     async def call_utility(self, engine: EngineState, method: str, *args) -> object:
         call_id = next(self._utility_ids)
         future = asyncio.get_running_loop().create_future()
         self.utility_waiters[call_id] = future
-        self._send(
-            engine,
-            RequestType.UTILITY,
-            UtilityCall(call_id, method, [self.client_index, *args]),
-        )
         try:
+            self._send(
+                engine,
+                RequestType.UTILITY,
+                UtilityCall(call_id, method, [self.client_index, *args]),
+            )
             return await future
         finally:
             self.utility_waiters.pop(call_id, None)

@@ -4,12 +4,20 @@ re-announcing after its death stays dead (frontend/engine_client.py)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from frontend.engine_client import EngineClient
 from frontend.engine_state import ClientConfig, EngineDeadError, RequestStream
 from protocol import codec
-from protocol.messages import PROTOCOL_VERSION, EngineReady, SchedulerStats
+from protocol.messages import (
+    PROTOCOL_VERSION,
+    EngineCoreRequest,
+    EngineReady,
+    SamplingParams,
+    SchedulerStats,
+)
 from protocol.sockets import ipc_address, rank_identity
 
 
@@ -81,3 +89,23 @@ def test_the_server_is_alive_again_once_any_engine_is_back(client):
     assert client.dead
     announce(client, ready(1, 1))
     assert not client.dead and client.pick_engine() is client.engines[1]
+
+
+def test_a_send_to_an_engine_that_is_not_connected_marks_it_dead(client):
+    """ROUTER_MANDATORY: a message for an identity with no connection fails at once
+    (EHOSTUNREACH). The engine is then dead for this API server, an ADD says so to its
+    caller, and an abort (a cleanup) does not raise."""
+
+    async def sends() -> None:  # on the API server's loop, as zmq.asyncio's sends run
+        stream = in_flight(client, 1, "r1")
+        client.abort(["r1"])
+        assert not client.engines[1].alive
+        assert "cannot reach engine 1" in client.engines[1].dead_reason
+        assert stream.finished
+        request = EngineCoreRequest("r0", [1, 2, 3], SamplingParams(max_tokens=1), arrival_time=0.0)
+        with pytest.raises(EngineDeadError, match="cannot reach engine 0"):
+            client.add_request(request, client.engines[0])
+        assert not client.engines[0].alive
+        assert client.dead
+
+    asyncio.run(sends())
