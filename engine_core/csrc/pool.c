@@ -16,9 +16,12 @@
  * The workers' spin is short. Served on 2 cores at 128 streams, a worker met 37 % of
  * its jobs within 5 us of its last, 9 % within 5-50 us and 54 % after more (the caller
  * descheduled, or in Python between kernels): a 50-us spin held a core the API server
- * and the load generator were waiting for, for nothing, about half the time. 5 us
- * served 9 % more there, the engine alone level (BENCHMARKS.md §2, "The pool's short
- * spin").
+ * and the load generator were waiting for, for nothing, about half the time. 10 us
+ * served 4-8 % more there, the engine alone level; 5 us or less served a little more
+ * again, but the load generator's TTFT p99 at 32 streams went from ~45 to 60-150 ms:
+ * the server's first chunks left in time (a packet capture), the tool's own loop ran
+ * late beside an engine that wakes that much more often (BENCHMARKS.md §2, "The pool's
+ * short spin").
  *
  * A job's epochs are even; while the caller writes a new job's fields the claim word
  * holds the odd epoch before it, with no chunk left to claim. Without that step a
@@ -41,7 +44,7 @@ int zs_abi(void) { return 10; }
 int zs_has_avx512(void) { return ZS_AVX512; }
 
 #define ZS_MAX_THREADS 256
-#define ZS_SPIN_NS 5000 /* a worker's wait for the next job */
+#define ZS_SPIN_NS 10000 /* a worker's wait for the next job */
 #define ZS_CALLER_SPIN_NS 10000 /* the caller's wait for chunks still running */
 
 static struct {
