@@ -178,14 +178,11 @@ class BeamGeneration(Generation):
         batch.extend(self._answer(search, search.stream.items[0]))
 
     def _answer(self, search: _Search, out: EngineCoreOutput) -> list[ChoiceDelta]:
-        if out.finish_reason is FinishReason.REFUSED:
+        if out.finish_reason is not None:
+            self._raise_failure(out)  # refused, asleep or failed: as any generation's
+        if not out.beams:
             self.abort()
-            raise APIError(out.error or "the engine refused this request")
-        if out.finish_reason is FinishReason.ERROR or not out.beams:
-            self.abort()
-            raise APIError(
-                f"the engine failed request {self.request_id}: {out.error or 'no beams'}", 500
-            )
+            raise APIError(f"the engine failed request {self.request_id}: no beams", 500)
         if len(out.beams) != len(search.choices):
             raise APIError(
                 f"the engine answered {len(out.beams)} beams for request {self.request_id}, "

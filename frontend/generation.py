@@ -154,8 +154,8 @@ class Generation:
 
     @property
     def finished(self) -> bool:
-        """Hot path (once per chunk streamed): a loop over the choices' own fields, where
-        all() of a generator of each choice's property cost twice as much."""
+        """Hot path (once per chunk streamed): the choices' own fields in a plain loop,
+        not all() over a generator of their properties."""
         for c in self.choices:
             if c.finish_reason is None:
                 return False
