@@ -79,17 +79,17 @@ def wait_busy(url: str, timeout_s: float) -> None:
     raise SystemExit(f"no tokens generated in {timeout_s:.0f} s: is the load running?")
 
 
+def snapshot(url: str) -> tuple[dict[int, tuple[str, float]], tuple[float, float], float, float]:
+    """Every process's CPU, the box's idle and stolen time, the token count, the clock."""
+    return cpu_by_process(), box_seconds(), generated_tokens(url), time.monotonic()
+
+
 def measure(url: str, window_s: float) -> tuple[float, float, Counter]:
     """(tokens, seconds, CPU-seconds by group, with "(idle)" and "(stolen)") over one
     window."""
-    before, box0, tok0, t0 = (
-        cpu_by_process(),
-        box_seconds(),
-        generated_tokens(url),
-        time.monotonic(),
-    )
+    before, box0, tok0, t0 = snapshot(url)
     time.sleep(window_s)
-    after, box1, tok1, t1 = cpu_by_process(), box_seconds(), generated_tokens(url), time.monotonic()
+    after, box1, tok1, t1 = snapshot(url)
     spent: Counter = Counter()
     for pid, (name, cpu) in after.items():
         start = before.get(pid, (name, 0.0))[1]  # a process born in the window: all of it
