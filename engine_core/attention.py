@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache, plugged into HF models through `AttentionInterface`.
+"""Attention over the paged KV cache, plugged into HF models through `AttentionInterface`
+(registered by `register_with_transformers`, when a transformers model is loaded).
 
 transformers projects q/k/v and applies rotary embeddings; this function writes the
 new K/V into the cache, then attends over each sequence's cached context.
@@ -20,7 +21,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
 from engine_core.kv_cache import PagedKVCache
 from engine_core.logits_processors import NEG_INF
@@ -339,4 +339,11 @@ def cached_chunk_attention(
     return _chunk_attention(q, k, v, mask, scaling, softcap)
 
 
-AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+def register_with_transformers() -> None:
+    """Make `paged_attention` a transformers attention implementation. Imported here, not
+    at the top: `AttentionInterface` lives in transformers' modeling_utils, whose imports
+    (torch._dynamo, torch.distributed.tensor, ...) cost an engine ~2.5 s of start-up that
+    the native backends never need."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from engine_core.attention import ATTN_IMPLEMENTATION
+from engine_core.attention import ATTN_IMPLEMENTATION, register_with_transformers
 
 # Each has a conformance test against transformers' own generate().
 SUPPORTED_ARCHITECTURES = (
@@ -118,6 +118,7 @@ def resolve_dtype(requested: str, info: ModelInfo, device: torch.device) -> torc
 
 def load_model(info: ModelInfo, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """The unmodified HF model, its attention routed to our paged function."""
+    register_with_transformers()
     model = AutoModelForCausalLM.from_pretrained(
         info.path,
         config=info.hf_config,

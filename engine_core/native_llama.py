@@ -5,13 +5,12 @@ transformers backend, logits only for the rows that sample.
 
 The math follows transformers' modeling code operation for operation (RMSNorm in
 fp32 then cast, residuals in the model dtype, rotate-half RoPE), so greedy output
-equals `generate()`; the rotary tables come from transformers' own rotary module, so
-every rope-scaling variant it knows (linear, llama3, yarn, longrope) is exact.
+equals `generate()`; the rotary tables are transformers' for every rope-scaling variant
+it knows (linear, llama3, yarn, longrope), computed without its modeling files (rope.py).
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass
 
@@ -38,6 +37,7 @@ from engine_core.lora_adapter import LoraTargets, LoraWeights
 from engine_core.model_loader import CheckpointTensors, ModelInfo
 from engine_core.native_linear import HiddenStates, Linear
 from engine_core.native_lora import LoraRows, NativeLora, native_targets
+from engine_core.rope import rope_tables, rope_type
 
 logger = logging.getLogger(__name__)
 
@@ -47,16 +47,14 @@ logger = logging.getLogger(__name__)
 DENSE_MIN_ROWS = 16
 DENSE_MIN_WORK = 16384
 
-# architecture -> (transformers module, rotary class)
-NATIVE_ARCHITECTURES = {
-    "LlamaForCausalLM": ("transformers.models.llama.modeling_llama", "LlamaRotaryEmbedding"),
-    "Qwen2ForCausalLM": ("transformers.models.qwen2.modeling_qwen2", "Qwen2RotaryEmbedding"),
-    "Qwen3ForCausalLM": ("transformers.models.qwen3.modeling_qwen3", "Qwen3RotaryEmbedding"),
-    "MistralForCausalLM": (
-        "transformers.models.mistral.modeling_mistral",
-        "MistralRotaryEmbedding",
-    ),
-}
+# The architectures whose decoder layers this forward computes (their rotary modules
+# are one and the same: rope.py).
+NATIVE_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+)
 
 
 @dataclass
@@ -91,8 +89,7 @@ class NativeLlamaBackend:
         if info.architecture not in NATIVE_ARCHITECTURES:
             return f"no native forward for {info.architecture}"
         cfg = info.hf_config
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        if rope.get("rope_type", "default") == "dynamic":
+        if "dynamic" in rope_type(cfg):
             return "dynamic NTK rope depends on the sequence length"
         if getattr(cfg, "hidden_act", "silu") != "silu":
             return f"activation {cfg.hidden_act}"
@@ -127,7 +124,7 @@ class NativeLlamaBackend:
         self.eps = cfg.rms_norm_eps
         self.scaling = self.head_dim**-0.5
         w = CheckpointTensors(info.path, dtype, device)
-        self.cos, self.sin = self._rope_tables(info, max_model_len)
+        self.cos, self.sin = rope_tables(info.hf_config, max_model_len, dtype, device)
         self.kernels = self._cpu_kernels(use_cpu_kernels)
 
         def linear(
@@ -193,14 +190,6 @@ class NativeLlamaBackend:
             logger.info("CPU kernels do not cover this model (%s): torch's ops", reason)
             return None
         return cpu_kernels.load()
-
-    def _rope_tables(self, info: ModelInfo, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [length, D] from transformers' own rotary module, computed once."""
-        module, name = NATIVE_ARCHITECTURES[info.architecture]
-        rotary = getattr(importlib.import_module(module), name)(info.hf_config).to(self.device)
-        probe = torch.empty(1, dtype=self.dtype, device=self.device)
-        cos, sin = rotary(probe, torch.arange(length, device=self.device)[None])
-        return cos[0].contiguous(), sin[0].contiguous()
 
     def attention_metadata(self, batch: StepBatch, cache: PagedKVCache) -> AttentionMetadata:
         """The kernels' form where they run the forward, else torch's; with any LoRA rows."""
