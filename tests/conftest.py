@@ -9,8 +9,29 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from httpx._transports import default as httpx_transports
 
 from launcher.tiny_model import build_tiny_model
+
+
+def _one_default_tls_context() -> None:
+    """Every httpx client (every openai client's too) builds an SSL context when it is
+    made, loading certifi's CA bundle into it: 17-30 ms of CPU each, ~2,500 times in a
+    run (~80 s of a 2-core CI box), for servers that speak plain HTTP. The tests' clients
+    with the default verification share one context instead; a client given its own
+    context or certificate (the TLS tests) still gets exactly what it asks for."""
+    build = httpx_transports.create_ssl_context
+    shared = build()
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is True and cert is None:
+            return shared
+        return build(verify=verify, cert=cert, trust_env=trust_env)
+
+    httpx_transports.create_ssl_context = create_ssl_context
+
+
+_one_default_tls_context()
 
 
 @pytest.fixture(scope="session", autouse=True)
