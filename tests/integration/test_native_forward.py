@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -249,6 +251,27 @@ def test_auto_takes_the_native_path_where_it_exists(tiny_model):
 def test_native_is_refused_clearly_for_other_architectures(tiny_model):
     with pytest.raises(ValueError, match=r"not available for this model.*Phi3ForCausalLM"):
         LLM(str(tiny_model("phi3")), kv_cache_memory_bytes=SMALL_KV, model_impl="native")
+
+
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_only_the_transformers_forward_imports_transformers_modeling_code(tiny_model, impl):
+    # transformers' modeling_utils brings torch._dynamo, torch.distributed.tensor and triton:
+    # ~2.5 s of an engine's start-up, which the native forward has no use for (its RoPE
+    # tables: rope.py; the paged attention registers when a transformers model loads). A
+    # fresh interpreter: this one imported transformers' models for the oracle.
+    heavy = ("transformers.modeling_utils", "torch._dynamo", "triton")
+    code = (
+        "import sys; from engine_core.llm import LLM; "
+        f"LLM({str(tiny_model('llama'))!r}, kv_cache_memory_bytes={SMALL_KV}, model_impl={impl!r}); "
+        f"print(sorted(set(sys.modules) & set({heavy!r})))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert run.returncode == 0, run.stderr[-2000:]
+    loaded = run.stdout.strip().splitlines()[-1]
+    if impl == "native":
+        assert loaded == "[]"
+    else:
+        assert "transformers.modeling_utils" in loaded
 
 
 def test_rope_tables_match_transformers_positions(tiny_model):
