@@ -342,8 +342,8 @@ def cached_chunk_attention(
 def register_with_transformers() -> None:
     """Make `paged_attention` a transformers attention implementation. Imported here, not
     at the top: `AttentionInterface` lives in transformers' modeling_utils, whose imports
-    (torch._dynamo, torch.distributed.tensor, ...) cost an engine ~2.5 s of start-up that
-    the native backends never need."""
+    (torch._dynamo, triton, ...) cost every engine start 1-1.7 s of CPU that the native
+    backends never need."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

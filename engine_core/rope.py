@@ -2,8 +2,8 @@
 
 transformers computes them in each architecture's rotary module, which lives in the
 architecture's modeling file; importing one imports transformers' `modeling_utils`
-(torch._dynamo, torch.distributed.tensor, ...), ~2.5 s of an engine's start-up that
-the native forward needs for nothing else. The tables are a few operations on the
+(torch._dynamo, triton, ...), 1-1.7 s of CPU in every engine start (BENCHMARKS.md §1,
+thirty-fifth session) that the native forward needs for nothing else. The tables are a few operations on the
 inverse frequencies, and those come from transformers' own `modeling_rope_utils` for
 every scaled rope type (linear, llama3, yarn, longrope), so they are computed here
 without the modeling files. tests/unit/test_rope_tables.py holds them equal, bit for
@@ -33,11 +33,12 @@ def inverse_frequencies(config: PretrainedConfig, length: int) -> tuple[torch.Te
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
     compute = ROPE_INIT_FUNCTIONS[kind]
     inv_freq, scale = compute(config)
-    pretrained = params.get("original_max_position_embeddings")
-    if kind == "longrope" and length > pretrained:
+    if kind == "longrope":
         # transformers takes the long factors for a forward whose positions pass the
         # pretraining length, and keeps the scale of the first computation.
-        inv_freq, _ = compute(config, None, seq_len=pretrained + 1)
+        pretrained = params["original_max_position_embeddings"]
+        if length > pretrained:
+            inv_freq, _ = compute(config, None, seq_len=pretrained + 1)
     return inv_freq, scale
 
 
