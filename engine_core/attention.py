@@ -342,7 +342,7 @@ def cached_chunk_attention(
 def register_with_transformers() -> None:
     """Make `paged_attention` a transformers attention implementation. Imported here, not
     at the top: `AttentionInterface` lives in transformers' modeling_utils, whose imports
-    (torch._dynamo, triton, ...) cost every engine start 1-1.7 s of CPU that the native
+    (torch._dynamo, triton, ...) cost every engine start 0.4-1.7 s of CPU that the native
     backends never need."""
     from transformers import AttentionInterface
 

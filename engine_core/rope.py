@@ -2,7 +2,7 @@
 
 transformers computes them in each architecture's rotary module, which lives in the
 architecture's modeling file; importing one imports transformers' `modeling_utils`
-(torch._dynamo, triton, ...), 1-1.7 s of CPU in every engine start (BENCHMARKS.md §1,
+(torch._dynamo, triton, ...), 0.4-1.7 s of CPU in every engine start (BENCHMARKS.md §1,
 thirty-fifth session) that the native forward needs for nothing else. The tables are a few operations on the
 inverse frequencies, and those come from transformers' own `modeling_rope_utils` for
 every scaled rope type (linear, llama3, yarn, longrope), so they are computed here

@@ -255,7 +255,7 @@ def test_native_is_refused_clearly_for_other_architectures(tiny_model):
 
 @pytest.mark.parametrize("impl", ["native", "transformers"])
 def test_only_the_transformers_forward_imports_transformers_modeling_code(tiny_model, impl):
-    # transformers' modeling_utils brings torch._dynamo and triton: 1-1.7 s of CPU in an
+    # transformers' modeling_utils brings torch._dynamo and triton: 0.4-1.7 s of CPU in an
     # engine's start-up, which the native forward has no use for (its RoPE
     # tables: rope.py; the paged attention registers when a transformers model loads). A
     # fresh interpreter: this one imported transformers' models for the oracle.
