@@ -2,12 +2,13 @@
 
 transformers computes them in each architecture's rotary module, which lives in the
 architecture's modeling file; importing one imports transformers' `modeling_utils`
-(torch._dynamo, triton, ...), 0.4-1.7 s of CPU in every engine start (BENCHMARKS.md §1,
-thirty-fifth session) that the native forward needs for nothing else. The tables are a few operations on the
-inverse frequencies, and those come from transformers' own `modeling_rope_utils` for
-every scaled rope type (linear, llama3, yarn, longrope), so they are computed here
-without the modeling files. tests/unit/test_rope_tables.py holds them equal, bit for
-bit, to the rotary modules of every native architecture, for every rope type.
+(torch._dynamo, triton, ...), 0.4-1.7 s of CPU in every engine start (BENCHMARKS.md
+§1, thirty-fifth session) that the native forward needs for nothing else. The tables
+are a few operations on the inverse frequencies, and those come from transformers' own
+`modeling_rope_utils` for every scaled rope type (linear, llama3, yarn, longrope), so
+they are computed here without the modeling files. tests/unit/test_rope_tables.py
+holds them equal, bit for bit, to the rotary modules of every native architecture,
+for every rope type.
 """
 
 from __future__ import annotations
