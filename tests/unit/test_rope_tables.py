@@ -42,7 +42,7 @@ ROPE_TYPES = {
         "original_max_position_embeddings": PRETRAINED,
     },
 }
-# The model types of the native architectures, and their rotary modules.
+# The model types of the native architectures (the folder of each one's modeling file).
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 MODEL_TYPES |= {"Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}
 
@@ -59,12 +59,11 @@ def _config(model_type: str, rope_parameters: dict):
     )
 
 
-def _transformers_tables(config, length: int, dtype: torch.dtype):
-    module = importlib.import_module(
-        f"transformers.models.{config.model_type}.modeling_{config.model_type}"
-    )
-    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
-    rotary = getattr(module, f"{name[config.model_type]}RotaryEmbedding")(config)
+def _transformers_tables(arch: str, config, length: int, dtype: torch.dtype):
+    """transformers' own rotary module of `arch` (LlamaForCausalLM: LlamaRotaryEmbedding)."""
+    kind = MODEL_TYPES[arch]
+    module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    rotary = getattr(module, arch.removesuffix("ForCausalLM") + "RotaryEmbedding")(config)
     cos, sin = rotary(torch.empty(1, dtype=dtype), torch.arange(length)[None])
     return cos[0], sin[0]
 
@@ -81,7 +80,7 @@ def test_tables_equal_the_rotary_module_bit_for_bit(arch, kind, dtype, length):
     config = _config(MODEL_TYPES[arch], ROPE_TYPES[kind])
     assert config.rope_parameters["rope_type"] == kind
     cos, sin = rope.rope_tables(config, length, dtype, torch.device("cpu"))
-    expected_cos, expected_sin = _transformers_tables(config, length, dtype)
+    expected_cos, expected_sin = _transformers_tables(arch, config, length, dtype)
     assert cos.shape == (length, HEAD_DIM)
     assert cos.dtype == dtype
     assert torch.equal(cos, expected_cos)
