@@ -377,6 +377,7 @@ class EngineCoreProc:
             plan = self.handshake()
             self.connect(plan)
             self.take_lora_settings(plan)
+            log.info("engine %d: loading %s", self.rank, self.cfg.engine.model)
             self.loading = True
             try:
                 self.load()

@@ -135,6 +135,9 @@ class ZServe:
         resource.setrlimit(resource.RLIMIT_NOFILE, (self.open_files, self.open_files))
 
     def wait_until_ready(self) -> None:
+        """Until /health answers 200 and the supervisor has said it is ready: the first
+        API server can answer while another is still starting, and the supervisor
+        judges a child's death as a failed start-up until then."""
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -142,10 +145,11 @@ class ZServe:
                     f"zserve exited with {self.proc.returncode} before ready:\n{self.log()}"
                 )
             try:
-                if httpx.get(self.base_url + "/health", timeout=1.0).status_code == 200:
-                    return
+                healthy = httpx.get(self.base_url + "/health", timeout=1.0).status_code == 200
             except httpx.HTTPError:
-                pass
+                healthy = False
+            if healthy and "zserve ready on" in self.log():
+                return
             time.sleep(0.2)
         raise TimeoutError(f"zserve not ready in {self.ready_timeout} s:\n{self.log()}")
 

@@ -367,8 +367,13 @@ def test_sigterm_while_the_engines_load_stops_every_process_at_once(tiny_model):
         tiny_model, "--api-server-count", "2", "--data-parallel-size", "2", wait_ready=False
     )
     with server:
-        # The supervisor hears hello before it sends the plan; the engine loads after.
-        _wait_for(lambda: "said hello" in server.log(), timeout=120, interval=0.01)
+        # Each engine loads once the plan reaches it (the supervisor sends it when every
+        # engine has said hello); before that, a SIGTERM ends its wait for the plan.
+        _wait_for(
+            lambda: all(f"engine {r}: loading" in server.log() for r in (0, 1)),
+            timeout=120,
+            interval=0.01,
+        )
         t0 = time.monotonic()
         os.kill(server.proc.pid, signal.SIGTERM)
         assert server.proc.wait(30) == 0
