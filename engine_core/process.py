@@ -377,8 +377,8 @@ class EngineCoreProc:
             plan = self.handshake()
             self.connect(plan)
             self.take_lora_settings(plan)
+            self.loading = True  # before the line: a SIGTERM sent on reading it exits at once
             log.info("engine %d: loading %s", self.rank, self.cfg.engine.model)
-            self.loading = True
             try:
                 self.load()
             finally:
