@@ -7,6 +7,7 @@ import os
 import resource
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -115,6 +116,11 @@ class ZServe:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def verify(self) -> ssl.SSLContext | bool:
+        """What a client of this server verifies its certificate with (e2e_tls.py)."""
+        return True
+
     def start(self) -> ZServe:
         if self.log_path is None:
             self.log_path = new_log_path("zserve-test-")
@@ -145,7 +151,8 @@ class ZServe:
                     f"zserve exited with {self.proc.returncode} before ready:\n{self.log()}"
                 )
             try:
-                healthy = httpx.get(self.base_url + "/health", timeout=1.0).status_code == 200
+                r = httpx.get(self.base_url + "/health", verify=self.verify, timeout=1.0)
+                healthy = r.status_code == 200
             except httpx.HTTPError:
                 healthy = False
             if healthy and "zserve ready on" in self.log():

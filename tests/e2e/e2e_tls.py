@@ -9,7 +9,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 from zserve_proc import ZServe
 
 
@@ -77,17 +76,3 @@ class TLSServer(ZServe):
     @property
     def verify(self) -> ssl.SSLContext | bool:
         return self.context or True
-
-    def wait_until_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"zserve exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                r = httpx.get(self.base_url + "/health", verify=self.verify, timeout=1.0)
-                if r.status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"zserve not ready in {self.ready_timeout} s:\n{self.log()}")
