@@ -121,6 +121,10 @@ class ZServe:
         """What a client of this server verifies its certificate with (e2e_tls.py)."""
         return True
 
+    def http(self, **kwargs) -> httpx.Client:
+        """A client of this server (a --uds server's dials its socket: test_http_door.py)."""
+        return httpx.Client(base_url=self.base_url, verify=self.verify, timeout=60, **kwargs)
+
     def start(self) -> ZServe:
         if self.log_path is None:
             self.log_path = new_log_path("zserve-test-")
@@ -145,19 +149,19 @@ class ZServe:
         API server can answer while another is still starting, and the supervisor
         judges a child's death as a failed start-up until then."""
         deadline = time.monotonic() + self.ready_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"zserve exited with {self.proc.returncode} before ready:\n{self.log()}"
-                )
-            try:
-                r = httpx.get(self.base_url + "/health", verify=self.verify, timeout=1.0)
-                healthy = r.status_code == 200
-            except httpx.HTTPError:
-                healthy = False
-            if healthy and "zserve ready on" in self.log():
-                return
-            time.sleep(0.2)
+        with self.http() as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"zserve exited with {self.proc.returncode} before ready:\n{self.log()}"
+                    )
+                try:
+                    healthy = http.get("/health", timeout=1.0).status_code == 200
+                except httpx.HTTPError:
+                    healthy = False
+                if healthy and "zserve ready on" in self.log():
+                    return
+                time.sleep(0.2)
         raise TimeoutError(f"zserve not ready in {self.ready_timeout} s:\n{self.log()}")
 
     def log(self) -> str:

@@ -15,7 +15,6 @@ import os
 import re
 import signal
 import socket
-import time
 from pathlib import Path
 
 import httpx
@@ -205,20 +204,6 @@ class UnixSocketServer(ZServe):
     def http(self, **kwargs) -> httpx.Client:
         transport = httpx.HTTPTransport(uds=str(self.uds))
         return httpx.Client(base_url=self.base_url, transport=transport, timeout=60, **kwargs)
-
-    def wait_until_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout
-        with self.http() as http:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"zserve exited with {self.proc.returncode}:\n{self.log()}")
-                try:
-                    if http.get("/health", timeout=1.0).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
-        raise TimeoutError(f"zserve not ready in {self.ready_timeout} s:\n{self.log()}")
 
 
 @pytest.fixture(scope="module")
