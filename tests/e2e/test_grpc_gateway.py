@@ -38,14 +38,18 @@ WORKER_FLAGS = ("--served-model-name", MODEL, "--kv-cache-memory-bytes", "16MiB"
 
 
 class Gateway:
-    """`smg launch` in its own process group, ready when it lists the model."""
+    """`smg launch` in its own process group, ready when every worker is registered and
+    ready and the model's tokenizer is loaded: the gateway lists the model as soon as its
+    first worker is registered, but answers 503 `tokenizer_not_ready` until the model's own
+    tokenizer, loaded by a background job after that, is in its registry."""
 
     def __init__(self, model_path: Path, workers: list[GRPCZServe]) -> None:
         self.port = free_port()
+        self.worker_urls = {f"grpc://{w.target}" for w in workers}
         self.log_path = new_log_path("smg-test-")
         self.args = [
             SMG, "launch", "--host", "127.0.0.1", "--port", str(self.port),
-            "--worker-urls", *(f"grpc://{w.target}" for w in workers),
+            "--worker-urls", *sorted(self.worker_urls),
             "--model-path", str(model_path), "--policy", "round_robin",
             "--prometheus-port", str(free_port()),  # two gateways may run at once
             # At the end of a module no request is in flight: a kept-alive client
@@ -64,19 +68,28 @@ class Gateway:
             self.args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
-            wait_for(self._lists_the_model, "the gateway to list the model", timeout=60)
+            wait_for(self._is_ready, "the gateway's workers and tokenizer", timeout=60)
         except BaseException:
             self.__exit__()
             raise
         return self
 
-    def _lists_the_model(self) -> bool:
+    def _is_ready(self) -> bool:
         assert self.proc.poll() is None, self.log()
         try:
-            r = httpx.get(self.base_url + "/v1/models", timeout=2)
+            workers = httpx.get(self.base_url + "/workers", timeout=2)
+            tokenizers = httpx.get(self.base_url + "/v1/tokenizers", timeout=2)
         except httpx.HTTPError:
             return False
-        return r.status_code == 200 and any(m["id"] == MODEL for m in r.json().get("data", []))
+        if workers.status_code != 200 or tokenizers.status_code != 200:
+            return False
+        ready = {
+            w["url"]
+            for w in workers.json().get("workers", [])
+            if w.get("is_healthy") and w.get("status") == "ready"
+        }
+        loaded = {t["name"] for t in tokenizers.json().get("tokenizers", [])}
+        return ready == self.worker_urls and MODEL in loaded
 
     def log(self) -> str:
         self._log.flush()
