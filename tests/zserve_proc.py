@@ -12,11 +12,29 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
 ZSERVE = [sys.executable, "-m", "launcher.cli"]
+
+
+def wait_for(
+    condition: Callable[[], object],
+    what: str = "",
+    *,
+    timeout: float = 30.0,
+    interval: float = 0.05,
+) -> float:
+    """Poll `condition` every `interval` s until it holds, and give the seconds that took;
+    after `timeout` s, an AssertionError that names `what`."""
+    t0 = time.monotonic()
+    while not condition():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
+        time.sleep(interval)
+    return time.monotonic() - t0
 
 
 def new_log_path(prefix: str) -> Path:

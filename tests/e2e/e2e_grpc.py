@@ -7,7 +7,6 @@ import glob
 import os
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -82,15 +81,6 @@ def completes(responses: list[pb.GenerateResponse]) -> list[pb.GenerateComplete]
 
 def chunks(responses: list[pb.GenerateResponse]) -> list[pb.GenerateStreamChunk]:
     return [r.chunk for r in responses if r.WhichOneof("response") == "chunk"]
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def request_counts(server: ZServe) -> dict[str, float]:

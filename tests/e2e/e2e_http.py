@@ -7,14 +7,14 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import orjson
-from zserve_proc import ZServe
+from zserve_proc import ZServe, wait_for
 
 MODEL = "tiny"
 ALIAS = "tiny-alias"
@@ -145,17 +145,6 @@ def assert_error_body(body: object, status: int) -> dict:
 def engine_stats(server: ZServe, headers: dict | None = None) -> dict:
     info = httpx.get(server.base_url + "/server_info", headers=headers, timeout=10).json()
     return info["engines"][0]["stats"]
-
-
-def wait_for(
-    condition: Callable[[], bool], timeout: float = 20.0, interval: float = 0.1, what: str = ""
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
 
 
 def metric_samples(text: str) -> dict[str, float]:

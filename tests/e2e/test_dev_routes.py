@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2e_http import MODEL, SERVED_NAMES, SSE, assert_error, async_client, parse_sse, wait_for
-from zserve_proc import ZServe, free_port
+from e2e_http import MODEL, SERVED_NAMES, SSE, assert_error, async_client, parse_sse
+from zserve_proc import ZServe, free_port, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

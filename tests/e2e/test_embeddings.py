@@ -24,10 +24,9 @@ from e2e_http import (
     assert_memory_returns,
     post_while_probing,
     rss,
-    wait_for,
 )
 from hf_generate import reference_model
-from zserve_proc import ZServe
+from zserve_proc import ZServe, wait_for
 
 from frontend.app import served_routes
 from frontend.config import FrontendConfig, PoolingOptions

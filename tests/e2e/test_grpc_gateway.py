@@ -21,11 +21,11 @@ import openai
 import pytest
 import tokenizers
 import torch
-from e2e_grpc import GRPCZServe, completes, generate, request_counts, wait_for
+from e2e_grpc import GRPCZServe, completes, generate, request_counts
 from hf_generate import reference_model
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated.vllm_engine_pb2_grpc import VllmEngineStub
-from zserve_proc import free_port, new_log_path
+from zserve_proc import free_port, new_log_path, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -20,13 +20,13 @@ from e2e_grpc import (
     completes,
     generate,
     request_counts,
-    wait_for,
 )
 from e2e_otlp import OTLPCollector
 from e2e_tls import CertificateAuthority, have_openssl
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated.vllm_engine_pb2_grpc import VllmEngineStub
+from zserve_proc import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -459,32 +459,40 @@ def test_a_cancelled_rpc_frees_its_request_in_the_engine(server, stub):
     blocker = Blocker(stub)
     try:
         waiter = Waiter(stub)
-        wait_for(lambda: loads(stub, 0).num_waiting_reqs == 1, "a waiting request")
+        wait_for(lambda: loads(stub, 0).num_waiting_reqs == 1, "a waiting request", timeout=60)
         waiter.call.cancel()
         waiter.join()
         assert waiter.error.code() == grpc.StatusCode.CANCELLED
         # Only an ABORT takes a request out of the queue while the blocker runs.
-        wait_for(lambda: loads(stub, 0).num_waiting_reqs == 0, "the waiting request to go")
+        wait_for(
+            lambda: loads(stub, 0).num_waiting_reqs == 0, "the waiting request to go", timeout=60
+        )
         assert loads(stub, 0).num_running_reqs == 1
         blocker.release()
-        wait_for(lambda: loads(stub, 0).num_running_reqs == 0, "the blocker to go")
+        wait_for(lambda: loads(stub, 0).num_running_reqs == 0, "the blocker to go", timeout=60)
     finally:
         blocker.release()
-    wait_for(lambda: request_counts(server).get("abort", 0) == before + 2, "two aborts counted")
+    wait_for(
+        lambda: request_counts(server).get("abort", 0) == before + 2,
+        "two aborts counted",
+        timeout=60,
+    )
 
 
 def test_abort_ends_a_waiting_request_with_finish_reason_abort(stub):
     blocker = Blocker(stub)
     try:
         waiter = Waiter(stub, request_id="to-abort", n=2)
-        wait_for(lambda: loads(stub, 0).num_waiting_reqs == 2, "two waiting sequences")
+        wait_for(lambda: loads(stub, 0).num_waiting_reqs == 2, "two waiting sequences", timeout=60)
         stub.Abort(pb.AbortRequest(request_ids=["to-abort", "unknown"]), metadata=AUTH, timeout=10)
         waiter.join()
         assert waiter.error is None
         done = completes(waiter.responses)
         assert sorted(c.index for c in done) == [0, 1]
         assert all(c.finish_reason == "abort" and not c.output_ids for c in done)
-        wait_for(lambda: loads(stub, 0).num_waiting_reqs == 0, "the aborted requests to go")
+        wait_for(
+            lambda: loads(stub, 0).num_waiting_reqs == 0, "the aborted requests to go", timeout=60
+        )
     finally:
         blocker.release()
 
@@ -494,7 +502,7 @@ def test_admission_limits_are_resource_exhausted(stub):
     waiters = []
     try:
         waiters.append(Waiter(stub, n=2))
-        wait_for(lambda: loads(stub, 0).num_waiting_reqs == 2, "two waiting sequences")
+        wait_for(lambda: loads(stub, 0).num_waiting_reqs == 2, "two waiting sequences", timeout=60)
         error = rpc_error(generate, stub, PROMPT, AUTH, max_tokens=2)
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-num-queued-reqs" in error.details()

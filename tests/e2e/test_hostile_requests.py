@@ -24,9 +24,8 @@ from e2e_http import (
     assert_memory_returns,
     raw_exchange,
     rss,
-    wait_for,
 )
-from zserve_proc import ZServe
+from zserve_proc import ZServe, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

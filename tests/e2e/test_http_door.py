@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from e2e_http import MODEL, SERVED_NAMES, assert_error, parse_sse, wait_for
+from e2e_http import MODEL, SERVED_NAMES, assert_error, parse_sse
 from e2e_tls import CertificateAuthority, TLSServer, client_context, have_openssl
-from zserve_proc import ZServe
+from zserve_proc import ZServe, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from e2e_http import EOS, MODEL, assert_error, engine_stats, parse_sse, wait_for
+from e2e_http import EOS, MODEL, assert_error, engine_stats, parse_sse
+from zserve_proc import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

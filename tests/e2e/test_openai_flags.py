@@ -25,10 +25,9 @@ from e2e_http import (
     engine_stats,
     post_stream,
     sync_client,
-    wait_for,
 )
 from e2e_otlp import OTLPCollector
-from zserve_proc import ZServe
+from zserve_proc import ZServe, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

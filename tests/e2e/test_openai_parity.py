@@ -24,9 +24,8 @@ from e2e_http import (
     metric_samples,
     post_stream,
     sync_client,
-    wait_for,
 )
-from zserve_proc import ZServe
+from zserve_proc import ZServe, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,8 +20,8 @@ from e2e_http import (
     engine_stats,
     metric_samples,
     post_stream,
-    wait_for,
 )
+from zserve_proc import wait_for
 
 from frontend.app import served_routes
 from frontend.config import FrontendConfig

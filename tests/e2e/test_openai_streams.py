@@ -19,8 +19,8 @@ from e2e_http import (
     parse_sse,
     post_stream,
     raw_exchange,
-    wait_for,
 )
+from zserve_proc import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from e2e_http import MODEL, SERVED_NAMES, assert_error, metric_samples, parse_sse, wait_for
+from e2e_http import MODEL, SERVED_NAMES, assert_error, metric_samples, parse_sse
 from e2e_tls import CertificateAuthority, TLSServer, client_context, have_openssl
+from zserve_proc import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable
 
 import httpx
-from test_failures import MODEL, StreamReader, _health, _wait_for
-from zserve_proc import ZServe, server_info
+from test_failures import MODEL, StreamReader, _health
+from zserve_proc import ZServe, server_info, wait_for
 
 
 def engine(base_url: str, rank: int) -> dict:
@@ -52,7 +52,7 @@ def kill_mid_stream_and_rejoin(
     reader.start()
     assert reader.started.wait(30)
     kill(before)
-    _wait_for(lambda: _health(server.base_url) == 503, timeout=30)
+    wait_for(lambda: _health(server.base_url) == 503, timeout=30)
     reader.join(30)
     assert reader.lines[-1] == "data: [DONE]", reader.lines[-3:]
     assert '"error"' in reader.lines[-2] and f"engine {rank}" in reader.lines[-2]
@@ -61,7 +61,7 @@ def kill_mid_stream_and_rejoin(
         entries = [engine(server.base_url, rank) for _ in range(api_servers * 4)]
         return all(e["alive"] and e["incarnation"] == before["incarnation"] + 1 for e in entries)
 
-    _wait_for(back_everywhere, timeout=120, interval=0.2)
+    wait_for(back_everywhere, timeout=120, interval=0.2)
     assert _health(server.base_url) == 200
     after = engine(server.base_url, rank)
     assert after["pid"] != before["pid"]

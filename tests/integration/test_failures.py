@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from zserve_proc import ZServe, group_pids, port_is_free, server_info
+from zserve_proc import ZServe, group_pids, port_is_free, server_info, wait_for
 
 from launcher.runtime_dir import sweep_stale
 
@@ -61,15 +61,6 @@ class StreamReader(threading.Thread):
             self.started.set()
 
 
-def _wait_for(predicate, timeout: float, interval: float = 0.05) -> float:
-    t0 = time.monotonic()
-    while not predicate():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError("condition not met in time")
-        time.sleep(interval)
-    return time.monotonic() - t0
-
-
 def _describe(pid: int) -> str:
     """pid, name, state and kernel wait channel of a process, for failure messages."""
     try:
@@ -107,7 +98,7 @@ def test_engine_death_ends_streams_with_an_error_turns_health_503_and_exits_non_
         engine_pid = server_info(server.base_url)["engines"][0]["pid"]
         t0 = time.monotonic()
         os.kill(engine_pid, signal.SIGKILL)
-        elapsed = _wait_for(lambda: _health(server.base_url) == 503, timeout=5)
+        elapsed = wait_for(lambda: _health(server.base_url) == 503, timeout=5)
         reader.join(20)
         assert reader.lines[-1] == "data: [DONE]"
         assert '"error"' in reader.lines[-2] and "engine 0" in reader.lines[-2]
@@ -137,7 +128,7 @@ def test_a_hung_engine_is_detected_by_its_heartbeat(small_model):
         engine_pid = server_info(server.base_url)["engines"][0]["pid"]
         os.kill(engine_pid, signal.SIGSTOP)  # alive, but neither stepping nor beating
         try:
-            _wait_for(lambda: _health(server.base_url) == 503, timeout=10)
+            wait_for(lambda: _health(server.base_url) == 503, timeout=10)
             reader.join(20)
             assert '"error"' in reader.lines[-2] and reader.lines[-1] == "data: [DONE]"
             server.proc.wait(30)
@@ -171,7 +162,7 @@ def test_a_paused_engine_holding_requests_is_not_taken_for_a_hung_one(tiny_model
             assert r.status_code == 200, r.text
             held = StreamReader(server.base_url, max_tokens=4)
             held.start()
-            _wait_for(lambda: _stats(server)["num_waiting"] == 1, timeout=10)
+            wait_for(lambda: _stats(server)["num_waiting"] == 1, timeout=10)
             time.sleep(3)  # past --engine-heartbeat-timeout
             assert _health(server.base_url) == 200 and held.is_alive()
             assert httpx.post(server.base_url + "/resume", timeout=10).status_code == 200
@@ -305,7 +296,7 @@ def test_sigterm_drains_in_flight_requests_then_aborts_the_rest(small_model, lon
         assert short.started.wait(30)
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
-        _wait_for(lambda: _health(server.base_url) == 503, timeout=3)
+        wait_for(lambda: _health(server.base_url) == 503, timeout=3)
         refused = httpx.post(
             server.base_url + "/v1/completions",
             json={"model": MODEL, "prompt": "late", "max_tokens": 2},
@@ -338,7 +329,7 @@ def test_sigkill_of_the_supervisor_leaves_no_orphans(tiny_model, tmp_path):
         server.proc.wait(10)
         # PR_SET_PDEATHSIG SIGTERMs every child; each then shuts down (normally ~1-2 s).
         try:
-            _wait_for(lambda: not group_pids(server.proc.pid), timeout=30, interval=0.1)
+            wait_for(lambda: not group_pids(server.proc.pid), timeout=30, interval=0.1)
         except AssertionError:
             left = [_describe(pid) for pid in group_pids(server.proc.pid)]
             raise AssertionError(f"still running: {left}\n{server.log()[-3000:]}") from None
@@ -369,7 +360,7 @@ def test_sigterm_while_the_engines_load_stops_every_process_at_once(tiny_model):
     with server:
         # Each engine loads once the plan reaches it (the supervisor sends it when every
         # engine has said hello); before that, a SIGTERM ends its wait for the plan.
-        _wait_for(
+        wait_for(
             lambda: all(f"engine {r}: loading" in server.log() for r in (0, 1)),
             timeout=120,
             interval=0.01,
@@ -378,7 +369,7 @@ def test_sigterm_while_the_engines_load_stops_every_process_at_once(tiny_model):
         os.kill(server.proc.pid, signal.SIGTERM)
         assert server.proc.wait(30) == 0
         took = time.monotonic() - t0
-        _wait_for(lambda: not group_pids(server.proc.pid), timeout=10, interval=0.1)
+        wait_for(lambda: not group_pids(server.proc.pid), timeout=10, interval=0.1)
         log = server.log()
         assert "did not stop" not in log, log[-3000:]
         assert log.count("stopped before it served") == 2, log[-3000:]
@@ -405,7 +396,7 @@ def test_a_burst_of_sigterms_ends_an_idle_engine_every_time(tiny_model):
     with server:
         engine = None
         for attempt in range(4):
-            _wait_for(
+            wait_for(
                 lambda last=engine: (
                     engine_pid() not in (None, last) and _health(server.base_url) == 200
                 ),
@@ -420,7 +411,7 @@ def test_a_burst_of_sigterms_ends_an_idle_engine_every_time(tiny_model):
                 except ProcessLookupError:
                     break
             try:
-                _wait_for(lambda pid=engine: gone(pid), timeout=20, interval=0.1)
+                wait_for(lambda pid=engine: gone(pid), timeout=20, interval=0.1)
             except AssertionError:
                 raise AssertionError(
                     f"try {attempt}: still running: {_describe(engine)}\n{server.log()[-2000:]}"

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 from engine_rejoin import engines_served, kill_mid_stream_and_rejoin
-from test_failures import MODEL, SMALL_KV, _wait_for
-from zserve_proc import ZServe, free_port, listening_ports, port_is_free, server_info
+from test_failures import MODEL, SMALL_KV
+from zserve_proc import ZServe, free_port, listening_ports, port_is_free, server_info, wait_for
 
 # Ray swaps 127.0.0.1 in an address for this machine's interface address unless it
 # believes multi-node clusters are off (its switch for laptops): with it, every Ray
@@ -91,7 +91,7 @@ def cluster():
         c.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
     # the process table: no Ray process (GCS, raylets, workers, agents) left behind
-    _wait_for(lambda: not descendants(os.getpid()) - before, timeout=30, interval=0.2)
+    wait_for(lambda: not descendants(os.getpid()) - before, timeout=30, interval=0.2)
 
 
 def ray_server(cluster: Cluster, model: Path, *flags: str, wait_ready: bool = True) -> ZServe:
@@ -161,12 +161,12 @@ def test_engines_are_ray_actors_on_separate_nodes_and_come_back_after_a_crash_or
     # a clean teardown: no engine actor, no bundle, no socket of the server left. An
     # actor's worker process is ended by its node's raylet after `ray.kill`, a moment
     # after the supervisor has gone: a busy machine makes that moment longer.
-    _wait_for(
+    wait_for(
         lambda: not any(Path(f"/proc/{pid}").exists() for pid in engine_pids),
         timeout=30,
         interval=0.2,
     )
-    _wait_for(lambda: all_resources_free(cluster), timeout=30, interval=0.2)
+    wait_for(lambda: all_resources_free(cluster), timeout=30, interval=0.2)
     assert all(port_is_free(p) for p in ports)
 
 
@@ -182,7 +182,7 @@ def test_without_the_restart_policy_an_actor_death_fails_the_server(cluster, tin
         assert server.proc.returncode == 1
         log = server.log()
         assert "engine 1's Ray actor died" in log and "failing the server" in log
-    _wait_for(lambda: all_resources_free(cluster), timeout=30, interval=0.2)
+    wait_for(lambda: all_resources_free(cluster), timeout=30, interval=0.2)
 
 
 def test_a_cluster_too_small_for_the_engines_is_a_clear_start_up_error(cluster, tiny_model):
