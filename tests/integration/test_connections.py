@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from zserve_proc import ZServe, server_info
+from zserve_proc import ZServe, server_info, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -161,10 +161,14 @@ def test_a_slow_reader_is_held_back_by_flow_control(tiny_model):
             b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
         )
         # the engine finishes the request while the client reads nothing
-        deadline = time.monotonic() + 60
-        while server_info(server.base_url)["engines"][0]["stats"]["generation_tokens"] < 1000:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_for(
+            lambda: (
+                server_info(server.base_url)["engines"][0]["stats"]["generation_tokens"] >= 1000
+            ),
+            "the engine to generate the answer",
+            timeout=60,
+            interval=0.2,
+        )
         time.sleep(1.0)
         grown = _rss_kib(api_pid) - rss_before
         data = b""

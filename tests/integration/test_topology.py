@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 import pytest
-from zserve_proc import ZServe, listening_ports, port_is_free, server_info
+from zserve_proc import ZServe, listening_ports, port_is_free, server_info, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -92,20 +92,17 @@ def test_client_disconnect_mid_stream_aborts_the_request_in_the_engine(mesh):
         ) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
-    deadline = time.monotonic() + 15
-    while aborted() <= before:
-        assert time.monotonic() < deadline, "the engine never reported the abort"
-        time.sleep(0.2)
+    wait_for(lambda: aborted() > before, "the engine to report the abort", timeout=15, interval=0.2)
     # and every KV block is free again once nothing runs
-    deadline = time.monotonic() + 15
-    while True:
-        engines = server_info(mesh.base_url)["engines"]
-        if all(
-            e["stats"]["num_running"] == 0 and e["stats"]["kv_cache_usage"] == 0 for e in engines
-        ):
-            break
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    wait_for(
+        lambda: all(
+            e["stats"]["num_running"] == 0 and e["stats"]["kv_cache_usage"] == 0
+            for e in server_info(mesh.base_url)["engines"]
+        ),
+        "every engine idle with its KV blocks free",
+        timeout=15,
+        interval=0.2,
+    )
 
 
 def test_headless_engine_joins_the_head_over_tcp(tiny_model):
